@@ -1,0 +1,100 @@
+"""ServerConfig: every knob of the runtime, one frozen dataclass.
+
+CLI flags are generated from the fields (name, type, default and the `help` metadata), so a
+new knob is one new field. Values discovered at run time (the EOS id, the pool size actually
+allocated) are returned by whoever discovers them and never written back here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("lpm", "dfs-weight", "fcfs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _knob(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = _knob("smollm2", "model: 'smollm2', a local Hugging Face dir or a .gguf path")
+    host: str = _knob("127.0.0.1", "address to bind; anything but loopback needs --api-key")
+    port: int = _knob(30000, "TCP port for clients; 0 picks a free one and prints it")
+    api_key: str = _knob("", "shared secret checked on every message (required off loopback)")
+    page_size: int = _knob(1, "KV slots per page (allocation granularity)")
+    max_total_tokens: int = _knob(32768, "KV pool size in token slots")
+    max_running_requests: int = _knob(64, "most requests decoding at once")
+    max_prefill_tokens: int = _knob(2048, "token budget of one step's prefill work")
+    chunked_prefill_size: int = _knob(512, "longest prefill chunk per step; -1 turns chunking off")
+    schedule_policy: str = _knob("lpm", "waiting-queue order: lpm, dfs-weight or fcfs")
+    schedule_conservativeness: float = _knob(1.0, "scales the reserved decode estimate")
+    disable_radix_cache: bool = _knob(False, "turn prefix reuse off (ablation)")
+    max_preemptions: int = _knob(8, "times one request may be preempted before it is failed")
+    context_length: int = _knob(0, "max tokens per sequence; 0 = the model's own")
+    max_new_tokens_limit: int = _knob(8192, "largest max_new_tokens a request may ask for")
+    attention_backend: str = _knob("auto", "auto (Triton on CUDA), torch or triton")
+    device: str = _knob("auto", "auto, cpu or cuda")
+    dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16")
+    num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
+    self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
+    grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
+    jump_forward: bool = _knob(False, "append forced grammar continuations without sampling")
+    max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
+    request_timeout_s: float = _knob(0.0, "client-side default timeout; 0 = none")
+    log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
+    seed: int = _knob(0, "seed of the global sampler generator")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (self.max_total_tokens >= 2 * self.page_size, "max_total_tokens too small"),
+            (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (
+                self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+                "chunked_prefill_size must be -1 or >= 1",
+            ),
+            (self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}"),
+            (
+                self.attention_backend in ATTENTION_BACKENDS,
+                f"attention_backend must be one of {ATTENTION_BACKENDS}",
+            ),
+            (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
+            (0 <= self.port < 65536, "port must be in [0, 65535]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def config_from_kwargs(**kwargs: Any) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ValueError(f"unknown config option(s): {', '.join(unknown)}")
+    return ServerConfig(**kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per ServerConfig field (`--max-total-tokens`, `--disable-radix-cache`)."""
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})

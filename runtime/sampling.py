@@ -1,0 +1,141 @@
+"""SamplingParams: the one definition of every sampling parameter (torch-free).
+
+The frontend's `gen()` and the wire protocol derive their field lists from this class, so a
+new parameter is added here once. Names and meanings follow SGLang's server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    regex: str | None = None
+    json_schema: str | None = None
+    choices: tuple[str, ...] | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None."""
+        if self.regex:
+            return ("regex", self.regex)
+        if self.json_schema:
+            return ("json", self.json_schema)
+        if self.choices:
+            return ("choices", json.dumps(list(self.choices)))
+        return None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 0),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0)),
+            ("n", 1 <= self.n <= 64),
+            ("temperature", 0.0 <= self.temperature <= 100.0),
+            ("top_p", 0.0 < self.top_p <= 1.0),
+            ("top_k", self.top_k == -1 or self.top_k >= 1),
+            ("min_p", 0.0 <= self.min_p <= 1.0),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0),
+            ("stop", all(isinstance(s, str) and s for s in self.stop)),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+        if sum(x is not None and x != () for x in (self.regex, self.json_schema, self.choices)) > 1:
+            raise ValueError("at most one of regex, json_schema and choices may be set")
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
+        """Build from a plain dict (user or wire input), checking names, types and ranges."""
+        params = dict(params or {})
+        if "max_tokens" in params and "max_new_tokens" not in params:
+            params["max_new_tokens"] = params.pop("max_tokens")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        clean: dict[str, Any] = {}
+        for name, value in params.items():
+            if value is None:
+                continue
+            clean[name] = _coerce(name, fields[name].default, value)
+        sampling = cls(**clean)
+        sampling.validate()
+        return sampling
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in ("stop", "stop_token_ids", "choices"):
+            if out[name] is not None:
+                out[name] = list(out[name])
+        return out
+
+
+def _coerce(name: str, default: Any, value: Any) -> Any:
+    def bad() -> ValueError:
+        return ValueError(f"invalid sampling parameter {name}={value!r}")
+
+    if name in ("stop", "choices"):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise bad()
+        return tuple(value)
+    if name == "stop_token_ids":
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise bad()
+        return tuple(value)
+    if name == "json_schema":
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if not isinstance(value, str):
+            raise bad()
+        return value or None
+    if name == "regex":
+        if not isinstance(value, str):
+            raise bad()
+        return value or None
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise bad()
+        return value
+    if isinstance(default, int) or name == "seed":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad()
+        if value != value:  # NaN
+            raise bad()
+        return float(value)
+    return value
