@@ -8,24 +8,35 @@ for CUDA tensors and the torch reference (`radixflow.kernels.reference`) otherwi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
-
 from radixflow.kernels import reference
 
 
 @dataclass(frozen=True)
 class AttentionOps:
+    """One backend's ops. `prepare_extend(qo_indptr, kv_indptr, kv_indices)` and
+    `prepare_decode(kv_indptr, kv_indices)`, when set, derive per-forward index layouts once;
+    the result is passed to every layer's call as `layout=`."""
+
     name: str
     extend_attention: Callable[..., torch.Tensor]
     decode_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
+    prepare_extend: Callable[..., Any] | None = None
+    prepare_decode: Callable[..., Any] | None = None
 
 
 REFERENCE_OPS = AttentionOps(
-    "torch", reference.extend_attention, reference.decode_attention, reference.store_kv
+    "torch",
+    reference.extend_attention,
+    reference.decode_attention,
+    reference.store_kv,
+    reference.make_layout,
+    reference.decode_layout,
 )
 
 

@@ -11,6 +11,8 @@ Math runs in fp32; outputs come back in q's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -26,13 +28,53 @@ def store_kv(
     v_buffer[slots] = v.to(v_buffer.dtype)
 
 
-def _ragged_positions(indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a prefix-sum `indptr` (B+1,), the request index and in-request offset of each row."""
+@dataclass(frozen=True)
+class Layout:
+    """Padded gather indices derived from the metadata once per forward, reused by all layers.
+
+    kv_index (B, Lk) pool slots of the cached keys, padded with slot 0; q_index (B, Lq) rows of
+    the new tokens, padded with row 0; mask (B, Lq, Lk + Lq) which keys each query sees (cached
+    keys first, then the new tokens); rows/batch (T,) map each new-token row back to (b, i).
+    """
+
+    kv_index: torch.Tensor
+    q_index: torch.Tensor
+    mask: torch.Tensor
+    batch: torch.Tensor
+    rows: torch.Tensor
+
+
+def _padded(indptr: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged runs of `values` (or of row numbers) -> (B, max_len) padded with 0, and lens."""
     lens = indptr[1:] - indptr[:-1]
-    total = int(indptr[-1])
-    batch = torch.repeat_interleave(torch.arange(lens.numel(), device=indptr.device), lens)
-    offset = torch.arange(total, device=indptr.device) - indptr[:-1][batch]
-    return batch, offset
+    width = int(lens.max()) if lens.numel() else 0
+    cols = torch.arange(width, device=indptr.device)
+    valid = cols[None, :] < lens[:, None]
+    index = (indptr[:-1, None] + cols[None, :]).clamp(max=max(int(indptr[-1]) - 1, 0))
+    if values is not None:
+        index = values[index] if values.numel() else torch.zeros_like(index)
+    return torch.where(valid, index, torch.zeros_like(index)), lens
+
+
+def make_layout(
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+) -> Layout:
+    """Layout for extend (new tokens over qo_indptr) or decode (qo_indptr = arange(B+1))."""
+    kv_index, prefix_lens = _padded(kv_indptr, kv_indices)
+    q_index, extend_lens = _padded(qo_indptr, None)
+    max_q = q_index.shape[1]
+    i = torch.arange(max_q, device=qo_indptr.device)
+    j = torch.arange(kv_index.shape[1], device=qo_indptr.device)
+    # cached key j is visible iff j < prefix; new key e iff e <= i (bottom-right causal)
+    cached = (j[None, None, :] < prefix_lens[:, None, None]).expand(-1, max_q, -1)
+    new = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < extend_lens[:, None, None])
+    rows_valid = i[None, :, None] < extend_lens[:, None, None]
+    mask = torch.cat([cached, new.expand(len(extend_lens), -1, -1)], dim=-1) & rows_valid
+    batch = torch.repeat_interleave(
+        torch.arange(len(extend_lens), device=qo_indptr.device), extend_lens
+    )
+    rows = torch.arange(int(qo_indptr[-1]), device=qo_indptr.device) - qo_indptr[:-1][batch]
+    return Layout(kv_index, q_index, mask, batch, rows)
 
 
 def extend_attention(
@@ -45,44 +87,23 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their request's cached prefix and (causally) each other.
 
     q (T, H, D); k_extend/v_extend (T, Hkv, D) are the new tokens' own K/V; the prefix of
     request b is `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` in the pools. New token i of a
     request with prefix P sees keys 0 .. P + i (bottom-right causal mask). Returns (T, H, D).
+    `layout` (from `make_layout`) may be passed to skip recomputing the indices.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_extend.shape[1]
-    batch_size = qo_indptr.numel() - 1
-    extend_lens = qo_indptr[1:] - qo_indptr[:-1]
-    prefix_lens = kv_indptr[1:] - kv_indptr[:-1]
-    max_q = int(extend_lens.max()) if batch_size else 0
-    max_k = int((extend_lens + prefix_lens).max()) if batch_size else 0
-    if num_tokens == 0:
+    if q.shape[0] == 0:
         return q.new_zeros(q.shape)
-
-    # Pad keys/values of every request into (B, max_k, Hkv, D): prefix first, then new tokens.
-    keys = q.new_zeros((batch_size, max_k, num_kv_heads, head_dim), dtype=torch.float32)
-    values = torch.zeros_like(keys)
-    pb, po = _ragged_positions(kv_indptr)
-    keys[pb, po] = k_buffer[kv_indices].float()
-    values[pb, po] = v_buffer[kv_indices].float()
-    eb, eo = _ragged_positions(qo_indptr)
-    keys[eb, prefix_lens[eb] + eo] = k_extend.float()
-    values[eb, prefix_lens[eb] + eo] = v_extend.float()
-
-    queries = q.new_zeros((batch_size, max_q, num_heads, head_dim), dtype=torch.float32)
-    queries[eb, eo] = q.float()
-
-    # Visible iff key j <= prefix + i (bottom-right causal); padding keys are past that.
-    rows = torch.arange(max_q, device=q.device)
-    cols = torch.arange(max_k, device=q.device)
-    mask = cols[None, None, :] <= (prefix_lens[:, None, None] + rows[None, :, None])
-    mask = mask & (rows[None, :, None] < extend_lens[:, None, None])  # (B, max_q, max_k)
-
-    out = _masked_attention(queries, keys, values, mask, sm_scale)  # (B, max_q, H, D)
-    return out[eb, eo].to(q.dtype)
+    layout = layout or make_layout(qo_indptr, kv_indptr, kv_indices)
+    keys = torch.cat([k_buffer[layout.kv_index], k_extend[layout.q_index]], dim=1).float()
+    values = torch.cat([v_buffer[layout.kv_index], v_extend[layout.q_index]], dim=1).float()
+    queries = q[layout.q_index].float()  # (B, Lq, H, D)
+    out = _masked_attention(queries, keys, values, layout.mask, sm_scale)  # (B, Lq, H, D)
+    return out[layout.batch, layout.rows].to(q.dtype)
 
 
 def decode_attention(
@@ -93,27 +114,33 @@ def decode_attention(
     kv_indices: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 8,
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """One query token per request over all its pooled KV (which already holds this token).
 
     q (B, H, D); request b reads `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. `num_kv_splits`
     only matters to the split-KV kernel (the math does not depend on it). Returns (B, H, D).
     """
-    batch_size, num_heads, head_dim = q.shape
-    num_kv_heads = k_buffer.shape[1]
-    if batch_size == 0:
+    if q.shape[0] == 0:
         return q.new_zeros(q.shape)
-    lens = kv_indptr[1:] - kv_indptr[:-1]
-    max_k = int(lens.max())
-    keys = q.new_zeros((batch_size, max_k, num_kv_heads, head_dim), dtype=torch.float32)
-    values = torch.zeros_like(keys)
-    pb, po = _ragged_positions(kv_indptr)
-    keys[pb, po] = k_buffer[kv_indices].float()
-    values[pb, po] = v_buffer[kv_indices].float()
-    cols = torch.arange(max_k, device=q.device)
-    mask = (cols[None, :] < lens[:, None])[:, None, :]  # (B, 1, max_k)
+    if layout is None:
+        kv_index, lens = _padded(kv_indptr, kv_indices)
+        cols = torch.arange(kv_index.shape[1], device=q.device)
+        mask = (cols[None, :] < lens[:, None])[:, None, :]
+    else:
+        kv_index, mask = layout.kv_index, layout.mask
+    keys, values = k_buffer[kv_index].float(), v_buffer[kv_index].float()  # (B, Lk, Hkv, D)
     out = _masked_attention(q.float()[:, None], keys, values, mask, sm_scale)
     return out[:, 0].to(q.dtype)
+
+
+def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Layout:
+    """Layout for `decode_attention`: kv_index (B, Lk) and mask (B, 1, Lk)."""
+    kv_index, lens = _padded(kv_indptr, kv_indices)
+    cols = torch.arange(kv_index.shape[1], device=kv_indptr.device)
+    mask = (cols[None, :] < lens[:, None])[:, None, :]
+    empty = torch.zeros(0, dtype=torch.long, device=kv_indptr.device)
+    return Layout(kv_index, empty, mask, empty, empty)
 
 
 def _masked_attention(

@@ -1,0 +1,296 @@
+"""Engine: the scheduler, model and tokenizer in one process, no sockets.
+
+    with Engine(model="smollm2") as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+
+`build_scheduler` is shared with the server's scheduler process, so both run the same code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.kv_pool import KVPool
+from radixflow.runtime.loader import resolve_model_dir
+from radixflow.runtime.model_runner import ModelRunner, load_model, pick_device, pick_dtype
+from radixflow.runtime.models.llama import LlamaModel
+from radixflow.runtime.request import Req
+from radixflow.runtime.sampling import SamplingParams
+from radixflow.runtime.scheduler import Scheduler
+from radixflow.runtime.tokenizer import (
+    IncrementalDetokenizer,
+    eos_token_ids,
+    load_tokenizer,
+    trim_at_stop,
+)
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class ModelBundle:
+    scheduler: Scheduler
+    tokenizer: PreTrainedTokenizerBase
+    model_info: dict[str, Any]
+    loaded: LoadedModel
+    load_seconds: float
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: PreTrainedTokenizerBase
+    model_dir: Path
+    hf_config: dict[str, Any]
+
+
+def load(config: ServerConfig) -> LoadedModel:
+    """Resolve (converting once) and load the model and tokenizer."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = load_tokenizer(model_dir)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    device = pick_device(config.device)
+    model = load_model(model_dir, config, device, pick_dtype(config.dtype, device))
+    return LoadedModel(model, tokenizer, model_dir, hf_config)
+
+
+def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> ModelBundle:
+    """Load tokenizer and model (unless given), size the KV pool, wire the scheduler."""
+    start = time.perf_counter()
+    loaded = loaded or load(config)
+    model, tokenizer, model_dir, hf_config = (
+        loaded.model,
+        loaded.tokenizer,
+        loaded.model_dir,
+        loaded.hf_config,
+    )
+    device = next(model.parameters()).device
+    pool = KVPool(config.max_total_tokens, config.page_size)
+    runner = ModelRunner(model, pool.num_slots, config.page_size, seed=config.seed)
+    context_len = config.context_length or model.config.max_position
+    eos = eos_token_ids(tokenizer, hf_config)
+    scheduler = Scheduler(
+        config,
+        runner,
+        pool,
+        eos_token_ids=eos,
+        context_len=context_len,
+        vocab_size=model.config.vocab_size,
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        grammars=_grammar_backend(config, tokenizer, model.config.vocab_size, eos),
+    )
+    info = {
+        "model": config.model,
+        "model_path": str(model_dir),
+        "context_length": context_len,
+        "vocab_size": model.config.vocab_size,
+        "eos_token_ids": list(eos),
+        "chat_template": tokenizer.chat_template,
+        "special_tokens": list(tokenizer.all_special_tokens),
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "device": str(device),
+        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "attention_backend": model.ops.name,
+    }
+    return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
+
+
+def _grammar_backend(
+    config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
+) -> Any:
+    try:
+        from radixflow.runtime.constraints import GrammarBackend
+    except ImportError:  # TODO(lead): remove once constraints.py lands
+        return None
+    return GrammarBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
+
+
+def normalize_prompts(
+    prompt: Any, input_ids: Any, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[list[int]], list[str | None], bool]:
+    """-> (token id lists, texts, was a single prompt). Raises ValueError on bad input."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt (text) and input_ids")
+    if input_ids is None and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        prompt, input_ids = None, prompt
+    if input_ids is not None:
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [input_ids] if single else input_ids
+        if not isinstance(batch, list) or not all(
+            isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)
+            for ids in batch
+        ):
+            raise ValueError("input_ids must be a list of non-negative ints or a list of those")
+        return [list(ids) for ids in batch], [None] * len(batch), single
+    single = isinstance(prompt, str)
+    texts = [prompt] if single else prompt
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("prompt must be a string or a list of strings")
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts], list(texts), single
+
+
+class Engine:
+    """Offline engine: `generate` blocks until its requests finish (continuous batching
+    inside). Not thread-safe: use one Engine per thread, or the server for concurrency."""
+
+    def __init__(self, model: str = "smollm2", **config: Any) -> None:
+        self._setup(config_from_kwargs(model=model, **config), None)
+
+    def _setup(self, config: ServerConfig, loaded: LoadedModel | None) -> None:
+        self.config = config
+        bundle = build_scheduler(config, loaded)
+        self.scheduler, self.tokenizer = bundle.scheduler, bundle.tokenizer
+        self.model_info, self.load_seconds = bundle.model_info, bundle.load_seconds
+        self._loaded = bundle.loaded
+        self._ids = itertools.count()
+
+    def with_config(self, **changes: Any) -> Engine:
+        """A new engine (own KV pool and scheduler) sharing this one's loaded weights.
+        Changes to model, device, dtype or attention_backend need a new Engine."""
+        fixed = {"model", "device", "dtype", "attention_backend"} & set(changes)
+        if fixed:
+            raise ValueError(f"with_config cannot change {sorted(fixed)}")
+        engine = Engine.__new__(Engine)
+        engine._setup(self.config.replace(**changes), self._loaded)
+        return engine
+
+    def generate(
+        self,
+        prompt: str | list[str] | list[int] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> Any:
+        """Generate for one prompt (a dict, or a list of n dicts when n > 1) or a list of
+        prompts (a list of dicts, n per prompt). `stream=True` (one prompt, n == 1) returns
+        an iterator of cumulative chunks. Raises ValueError on bad parameters."""
+        id_lists, texts, single = normalize_prompts(prompt, input_ids, self.tokenizer)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(id_lists)
+        )
+        if len(params) != len(id_lists):
+            raise ValueError("sampling_params list must match the number of prompts")
+        sampling = [SamplingParams.from_dict(p) for p in params]
+        reqs = []
+        for ids, sp in zip(id_lists, sampling):
+            self._check_length(ids, sp)
+            for i in range(sp.n):
+                seed = None if sp.seed is None else sp.seed + i
+                child = SamplingParams.from_dict({**sp.to_dict(), "n": 1, "seed": seed})
+                reqs.append(
+                    Req(
+                        rid=f"engine-{next(self._ids)}",
+                        input_ids=list(ids),
+                        sampling=child,
+                        return_logprob=return_logprob,
+                        logprob_start_len=logprob_start_len,
+                        top_logprobs_num=top_logprobs_num,
+                        stream=stream,
+                    )
+                )
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True takes one prompt with n == 1")
+            return self._stream(reqs[0])
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while any(not r.finished for r in reqs):
+            self.scheduler.step()
+        results = [self.result(r) for r in reqs]
+        return results[0] if single and len(results) == 1 else results
+
+    def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, req.input_ids[-8:])
+        sent = 0
+        while not req.finished:
+            self.scheduler.step()
+            if len(req.output_ids) > sent and not req.finished:
+                text = detok.update(req.output_ids)
+                sent = len(req.output_ids)
+                yield {
+                    "text": text,
+                    "output_ids": list(req.output_ids),
+                    "finished": False,
+                    "meta_info": req.meta_info(),
+                }
+        yield {**self.result(req), "finished": True}
+
+    def _check_length(self, ids: list[int], sampling: SamplingParams) -> None:
+        context = self.scheduler.context_len
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= context:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {context}")
+        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
+            raise ValueError(
+                f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
+                f"{self.config.max_new_tokens_limit}"
+            )
+
+    def result(self, req: Req) -> dict[str, Any]:
+        """Final text and meta data of a finished request."""
+        return finished_output(req, self.tokenizer)
+
+    def stats(self) -> dict[str, Any]:
+        return self.scheduler.stats()
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.tree.flush()
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless nothing runs and every slot is free or in the tree."""
+        assert not self.scheduler.has_work, "engine is not idle"
+        self.scheduler.check_invariants()
+
+    def shutdown(self) -> None:
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def finished_output(req: Req, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The result dict of a finished request: text trimmed at its stop, ids, meta data."""
+    ids = req.output_ids
+    reason = req.finish_reason or {}
+    if reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
+        ids = ids[:-1]  # the stop token itself is not part of the text
+    text = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    if req.sampling.stop:
+        text, _ = trim_at_stop(text, req.sampling.stop)
+    meta = req.meta_info()
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, ids)]
+        if req.logprob_start_len >= 0:
+            start = req.logprob_start_len
+            meta["input_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.input_logprobs, req.input_ids[start:])
+            ]
+        if req.top_logprobs_num:
+            meta["output_top_logprobs"] = req.output_top_logprobs
+            meta["input_top_logprobs"] = req.input_top_logprobs
+    out = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    if req.error:
+        out["error"] = req.error
+    return out

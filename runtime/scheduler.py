@@ -1,0 +1,727 @@
+"""Scheduler: admission, cache-aware ordering, chunked prefill, preemption (torch-free).
+
+One `step()` = poll grammars, make room for the running decodes (evict, else preempt),
+continue the chunked request, admit waiting requests in policy order within the KV and token
+budgets, run one forward pass for the whole ragged batch, then postprocess (append tokens,
+check stops, insert computed KV into the radix tree, release finished requests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+from radixflow.runtime.batch import I64, BatchPlan, StepResult
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.kv_pool import KVPool
+from radixflow.runtime.radix_cache import RadixCache, common_prefix_len
+from radixflow.runtime.request import Req, ReqState
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+CLIP_MAX_NEW_TOKENS = 4096
+RETRACT_HEADROOM_STEPS = 20
+LPM_FALLBACK_QUEUE_LEN = 128
+AGING_TOKENS_PER_STEP = 16  # lpm: each step waited counts as this many cached tokens
+DEDUP_MIN_SHARED = 32  # in-step dedup: defer a request sharing this many uncached tokens
+
+
+class Runner(Protocol):
+    def forward(self, plan: BatchPlan) -> StepResult: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ServerConfig,
+        runner: Runner,
+        pool: KVPool,
+        *,
+        eos_token_ids: tuple[int, ...],
+        context_len: int,
+        vocab_size: int,
+        decode: Callable[[list[int]], str],
+        grammars: Any = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.decode = decode
+        self.grammars = grammars
+        self.pool = pool
+        self.tree = RadixCache(self.pool, disabled=config.disable_radix_cache)
+        self.grammar_queue: list[Req] = []
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.step_count = 0
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio = self.init_ratio
+        self.counters = dict.fromkeys(
+            (
+                "prefill_tokens_computed",
+                "prompt_tokens",
+                "cached_tokens",
+                "decode_tokens",
+                "preemptions",
+                "finished_requests",
+                "aborted_requests",
+                "forward_steps",
+            ),
+            0,
+        )
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; an impossible one finishes at once with an error."""
+        req.arrival_step = self.step_count
+        problem = self._check_fits(req)
+        if problem:
+            self._fail(req, problem)
+            return
+        key = req.sampling.grammar_key
+        if key is not None:
+            if self.grammars is None:
+                self._fail(req, "constrained decoding is not available in this runtime")
+                return
+            self.grammars.submit(key)
+            req.state = ReqState.GRAMMAR
+            self.grammar_queue.append(req)
+        else:
+            req.state = ReqState.WAITING
+            self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        """Finish `rid` wherever it is (idempotent; unknown rids return None)."""
+        for queue in (self.grammar_queue, self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, {"type": "abort", "message": message})
+                    self.counters["aborted_requests"] += 1
+                    return req
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            self._finish(req, {"type": "abort", "message": message})
+            self.counters["aborted_requests"] += 1
+            return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.grammar_queue or self.waiting or self.running or self.chunked)
+
+    def live_requests(self) -> list[Req]:
+        chunked = [self.chunked] if self.chunked else []
+        return self.grammar_queue + self.waiting + self.running + chunked
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Run one scheduling step; return the requests that progressed or finished."""
+        self.step_count += 1
+        updated = self._poll_grammars()
+        updated += self._make_decode_room()
+        decodes = list(self.running)
+        extends = self._admit()
+        if not decodes and not extends:
+            if not self.has_work:
+                self.new_token_ratio = self.init_ratio
+            return updated
+        plan, sample_reqs = self._plan(extends, decodes)
+        result = self.runner.forward(plan)
+        self.counters["forward_steps"] += 1
+        updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+        if self.config.self_check:
+            self.check_invariants()
+        return updated
+
+    # ---- grammar queue ---------------------------------------------------------------------
+
+    def _poll_grammars(self) -> list[Req]:
+        failed = []
+        for req in list(self.grammar_queue):
+            ready = self.grammars.poll(req.sampling.grammar_key)
+            if ready is None:
+                continue
+            self.grammar_queue.remove(req)
+            if isinstance(ready, Exception):
+                self._fail(req, f"invalid grammar: {ready}")
+                failed.append(req)
+            else:
+                req.grammar = ready
+                req.state = ReqState.WAITING
+                self.waiting.append(req)
+        return failed
+
+    # ---- memory for decodes: evict, else preempt -------------------------------------------
+
+    def _decode_pages_needed(self) -> int:
+        size = self.pool.page_size
+        return sum(1 for r in self.running if r.kv_len % size == 0)
+
+    def _make_decode_room(self) -> list[Req]:
+        failed = []
+        while self.running:
+            short = self._decode_pages_needed() - self.pool.num_free_pages
+            if short <= 0:
+                break
+            if self.tree.evict(short * self.pool.page_size) > 0:
+                continue
+            if len(self.running) == 1:
+                failed.append(self._fail_running(self.running[0], "out of KV memory"))
+                continue
+            failed += self._preempt_one()
+        return failed
+
+    def _preempt_one(self) -> list[Req]:
+        """Retract the least-progressed running request (fewest outputs, longest prompt)."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        self.running.remove(victim)
+        self.counters["preemptions"] += 1
+        victim.num_preemptions += 1
+        self._release(victim, keep_in_tree=True)
+        if victim.num_preemptions > self.config.max_preemptions:
+            self._finish(victim, {"type": "abort", "message": "preempted too many times"})
+            victim.error = "preempted too many times (KV pool too small for the load)"
+            return [victim]
+        victim.state = ReqState.WAITING
+        self.waiting.append(victim)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        wanted = sum(r.sampling.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(
+            1.0, (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / wanted
+        )
+        return []
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _reserved_for_running(self) -> float:
+        return self.new_token_ratio * sum(
+            min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.running
+        )
+
+    def _prefill_budget(self) -> int:
+        size = self.config.chunked_prefill_size
+        return (
+            self.config.max_prefill_tokens
+            if size <= 0
+            else min(size, self.config.max_prefill_tokens)
+        )
+
+    def _admit(self) -> list[Req]:
+        """Choose this step's extends: the chunked request first, then waiting requests."""
+        budget = self._prefill_budget()
+        extends: list[Req] = []
+        if self.chunked is not None:
+            req = self.chunked
+            chunk = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
+            if self._grow(req, chunk):
+                extends.append(req)
+                budget -= chunk
+        admitted_cost = 0.0
+        in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
+                break
+            prefix, node = self.tree.match_prefix(
+                np.asarray(req.fill_ids[: req.max_prefix_len], I64)
+            )
+            ids = np.asarray(req.fill_ids, dtype=I64)
+            if self._shares_uncached(ids, len(prefix), in_step):
+                continue  # a request admitted this step computes that prefix; reuse it next step
+            self.tree.lock(node)
+            extend_len = req.seq_len - len(prefix)
+            cost = extend_len + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+            available = self.pool.num_free_slots + self.tree.evictable_size
+            room = available - self._reserved_for_running() - admitted_cost
+            alone = not self.running and not extends
+            chunk = extend_len
+            if extend_len > budget:
+                if self.config.chunked_prefill_size > 0 and self.chunked is None:
+                    chunk = budget
+                elif extends:  # chunking off: only the step's first prefill may exceed
+                    chunk = 0
+            if chunk == 0 or chunk > available or (cost > room and not alone):
+                self.tree.unlock(node)
+                break
+            if not self._start(req, prefix, node, chunk):
+                self.tree.unlock(node)
+                break
+            self.waiting.remove(req)
+            if chunk < extend_len:
+                self.chunked = req
+            extends.append(req)
+            in_step.append(ids)
+            budget -= chunk
+            admitted_cost += cost
+        return extends
+
+    def _ordered_waiting(self) -> list[Req]:
+        policy = self.config.schedule_policy
+        if policy == "fcfs" or len(self.waiting) > LPM_FALLBACK_QUEUE_LEN or self.tree.disabled:
+            return sorted(self.waiting, key=lambda r: r.arrival)
+        if policy == "lpm":
+
+            def priority(req: Req) -> tuple[float, float]:
+                prefix, _ = self.tree.match_prefix(
+                    np.asarray(req.fill_ids[: req.max_prefix_len], I64)
+                )
+                waited = self.step_count - req.arrival_step
+                return (-(len(prefix) + AGING_TOKENS_PER_STEP * waited), req.arrival)
+
+            return sorted(self.waiting, key=priority)
+        return self._dfs_weight_order()
+
+    def _dfs_weight_order(self) -> list[Req]:
+        """Requests grouped by tree subtree, heaviest subtrees (most waiting requests) first."""
+        by_node: dict[int, list[Req]] = {}
+        nodes = {}
+        for req in sorted(self.waiting, key=lambda r: r.arrival):
+            _, node = self.tree.match_prefix(np.asarray(req.fill_ids[: req.max_prefix_len], I64))
+            by_node.setdefault(id(node), []).append(req)
+            nodes[id(node)] = node
+        weight: dict[int, int] = {}
+
+        def compute(node: Any) -> int:
+            w = len(by_node.get(id(node), [])) + sum(compute(c) for c in node.children.values())
+            weight[id(node)] = w
+            return w
+
+        compute(self.tree.root)
+        order: list[Req] = []
+
+        def visit(node: Any) -> None:
+            for child in sorted(node.children.values(), key=lambda c: -weight[id(c)]):
+                if weight[id(child)]:
+                    visit(child)
+            order.extend(by_node.get(id(node), []))
+
+        visit(self.tree.root)
+        return order
+
+    def _shares_uncached(self, ids: np.ndarray, cached: int, in_step: list[np.ndarray]) -> bool:
+        if self.tree.disabled:
+            return False
+        for other in in_step:
+            if (
+                common_prefix_len(ids, other) - cached
+                >= min(DEDUP_MIN_SHARED, len(ids) - cached - 1)
+                > 0
+            ):
+                return True
+        return False
+
+    def _start(self, req: Req, prefix: np.ndarray, node: Any, chunk: int) -> bool:
+        """Give a waiting request its cached prefix (lock already held) and `chunk` new slots."""
+        size = self.pool.page_size
+        req.slots = np.zeros(0, dtype=I64)
+        req.set_slots(0, prefix)
+        req.kv_len = req.prefix_len = len(prefix)
+        req.last_node, req.own_pages = node, []
+        req.copy_src = req.copy_dst = None
+        req.input_logprobs_done = req.input_logprobs_done or not req.wants_input_logprobs
+        shared_tail = len(prefix) % size
+        if shared_tail:  # the match ends inside a tree page: copy it, never write into it
+            pages = self._alloc_pages(1)
+            if pages is None:
+                return False
+            req.own_pages = pages
+            dst = pages[0] * size + np.arange(shared_tail, dtype=I64)
+            req.copy_src, req.copy_dst = prefix[-shared_tail:].copy(), dst
+            req.set_slots(len(prefix) - shared_tail, dst)
+        if not self._grow(req, chunk):
+            self.pool.decref(req.own_pages)
+            req.own_pages, req.copy_src = [], None
+            return False
+        if req.cached_tokens < 0:
+            req.cached_tokens = len(prefix)
+            self.counters["cached_tokens"] += len(prefix)
+            self.counters["prompt_tokens"] += len(req.input_ids)
+        req.state = ReqState.RUNNING
+        return True
+
+    def _grow(self, req: Req, count: int) -> bool:
+        """Allocate slots for positions kv_len .. kv_len+count-1 (evicting if needed).
+
+        Own pages are position-aligned: position p sits at offset p % page_size, so the tail
+        page (own_pages[-1]) continues wherever kv_len is not on a page boundary."""
+        size = self.pool.page_size
+        start = req.kv_len
+        offset = start % size
+        in_tail = min(size - offset, count) if offset else 0
+        pages = self._alloc_pages(-(-(count - in_tail) // size))
+        if pages is None:
+            return False
+        parts = []
+        if in_tail:
+            assert req.own_pages, f"{req.rid}: kv_len {start} mid-page without a tail page"
+            parts.append(req.own_pages[-1] * size + np.arange(offset, offset + in_tail, dtype=I64))
+        parts += [page * size + np.arange(size, dtype=I64) for page in pages]
+        req.set_slots(start, np.concatenate(parts)[:count] if parts else np.zeros(0, I64))
+        req.own_pages.extend(pages)
+        req.extend_target = start + count
+        return True
+
+    def _alloc_pages(self, count: int) -> list[int] | None:
+        if count == 0:
+            return []
+        short = count - self.pool.num_free_pages
+        if short > 0:
+            self.tree.evict(short * self.pool.page_size)
+        return self.pool.alloc_pages(count)
+
+    # ---- the plan --------------------------------------------------------------------------
+
+    def _plan(self, extends: list[Req], decodes: list[Req]) -> tuple[BatchPlan, list[Req]]:
+        input_ids, positions, out_slots = [], [], []
+        qo, kv, kv_indices = [0], [0], []
+        logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
+        copy_src, copy_dst = [], []
+        row = 0
+        for req in extends:
+            start, end = req.kv_len, req.extend_target
+            fill = req.fill_ids
+            input_ids.append(fill[start:end])
+            positions.append(np.arange(start, end, dtype=I64))
+            out_slots.append(req.slots[start:end])
+            kv_indices.append(req.slots[:start])
+            qo.append(qo[-1] + end - start)
+            kv.append(kv[-1] + start)
+            if req.copy_src is not None:
+                copy_src.append(req.copy_src)
+                copy_dst.append(req.copy_dst)
+                req.copy_src = None
+            for p in req.input_logprob_positions(start, end):
+                logit_rows.append(row + p - start)
+                targets.append(req.input_ids[p + 1])
+            if end == req.seq_len and req.remaining_new_tokens() > 0:
+                sample_rows.append(len(logit_rows))
+                logit_rows.append(row + end - 1 - start)
+                targets.append(-1)
+                sample_reqs.append(req)
+            row += end - start
+        num_extend = row
+        dkv, dkv_indices = [0], []
+        for req in decodes:
+            slot = self._next_decode_slot(req)
+            input_ids.append([req.output_ids[-1]])
+            positions.append(np.array([req.kv_len], dtype=I64))
+            out_slots.append(np.array([slot], dtype=I64))
+            dkv_indices.append(req.slots[: req.kv_len + 1])
+            dkv.append(dkv[-1] + req.kv_len + 1)
+            sample_rows.append(len(logit_rows))
+            logit_rows.append(row)
+            targets.append(-1)
+            sample_reqs.append(req)
+            row += 1
+        cat = lambda parts: (
+            np.concatenate([np.asarray(p, dtype=I64) for p in parts]) if parts else np.zeros(0, I64)
+        )
+        plan = BatchPlan(
+            input_ids=cat(input_ids),
+            positions=cat(positions),
+            out_slots=cat(out_slots),
+            num_extend_tokens=num_extend,
+            extend_qo_indptr=np.asarray(qo, I64),
+            extend_kv_indptr=np.asarray(kv, I64),
+            extend_kv_indices=cat(kv_indices),
+            decode_kv_indptr=np.asarray(dkv, I64),
+            decode_kv_indices=cat(dkv_indices),
+            logit_rows=np.asarray(logit_rows, I64),
+            logprob_targets=np.asarray(targets, I64),
+            sample_rows=np.asarray(sample_rows, I64),
+            copy_src=cat(copy_src),
+            copy_dst=cat(copy_dst),
+        )
+        self._fill_sampling(plan, sample_reqs, extends)
+        return plan, sample_reqs
+
+    def _next_decode_slot(self, req: Req) -> int:
+        """The slot for position kv_len: next in the request's own last page, or a new page
+        (`_make_decode_room` guaranteed one is free)."""
+        size = self.pool.page_size
+        if req.kv_len % size:
+            slot = req.own_pages[-1] * size + req.kv_len % size
+        else:
+            pages = self.pool.alloc_pages(1)
+            assert pages is not None, f"no page for decode: free={self.pool.num_free_pages}"
+            req.own_pages.extend(pages)
+            slot = pages[0] * size
+        req.set_slots(req.kv_len, np.array([slot], dtype=I64))
+        return slot
+
+    def _fill_sampling(self, plan: BatchPlan, sample_reqs: list[Req], extends: list[Req]) -> None:
+        plan.sampling = [r.sampling for r in sample_reqs]
+        plan.sample_seeds = [
+            None
+            if r.sampling.seed is None
+            else (r.sampling.seed * 1_000_003 + len(r.output_ids)) % 2**63
+            for r in sample_reqs
+        ]
+        plan.output_ids = [r.output_ids for r in sample_reqs]
+        plan.banned_ids = [self._banned(r) for r in sample_reqs]
+        plan.top_logprobs_num = max(
+            (r.top_logprobs_num for r in extends + sample_reqs if r.return_logprob), default=0
+        )
+        if any(r.grammar is not None for r in sample_reqs):
+            words = (self.vocab_size + 31) // 32
+            masks = np.full((len(sample_reqs), words), -1, dtype=np.int32)
+            for i, req in enumerate(sample_reqs):
+                if req.grammar is not None:
+                    masks[i] = 0
+                    req.grammar.fill_mask(masks[i])
+            plan.vocab_masks = masks
+
+    def _banned(self, req: Req) -> tuple[int, ...]:
+        """Ending tokens are banned until min_new_tokens outputs exist."""
+        if len(req.output_ids) >= req.sampling.min_new_tokens:
+            return ()
+        return self.eos_token_ids + req.sampling.stop_token_ids
+
+    # ---- after the forward -----------------------------------------------------------------
+
+    def _postprocess(
+        self,
+        plan: BatchPlan,
+        result: StepResult,
+        extends: list[Req],
+        decodes: list[Req],
+        sample_reqs: list[Req],
+    ) -> list[Req]:
+        now = time.monotonic()
+        self._store_input_logprobs(plan, result, extends)
+        for req in extends:
+            self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
+            req.kv_len = req.extend_target
+            self._cache_computed(req)
+        self.counters["decode_tokens"] += len(decodes)
+        for req in decodes:
+            req.kv_len += 1
+        sampled = {id(r): i for i, r in enumerate(sample_reqs)}
+        updated: list[Req] = []
+        for req in extends:
+            if req.kv_len < req.seq_len:
+                continue  # mid-chunk: stays the chunked request
+            if self.chunked is req:
+                self.chunked = None
+            if id(req) not in sampled:  # prefill-only (max_new_tokens == 0)
+                self._finish(req, {"type": "length", "length": 0})
+                updated.append(req)
+                continue
+            self.running.append(req)
+        for req in sample_reqs:
+            if req.finished:
+                continue
+            i = sampled[id(req)]
+            self._append_token(req, result.next_token_ids[i], result.next_logprobs[i], now)
+            if result.top_logprobs is not None and req.top_logprobs_num:
+                row = plan.sample_rows[i]
+                req.output_top_logprobs.append(
+                    list(
+                        zip(
+                            result.top_logprobs[row][: req.top_logprobs_num].tolist(),
+                            result.top_ids[row][: req.top_logprobs_num].tolist(),
+                        )
+                    )
+                )
+            updated.append(req)
+        for req in list(self.running):
+            if req.finished:
+                self.running.remove(req)
+        decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = max(self.new_token_ratio - decay, self.min_ratio)
+        return updated
+
+    def _store_input_logprobs(
+        self, plan: BatchPlan, result: StepResult, extends: list[Req]
+    ) -> None:
+        row_of = {int(r): i for i, r in enumerate(plan.logit_rows)}
+        row = 0
+        for req in extends:
+            start, end = req.kv_len, req.extend_target
+            positions = req.input_logprob_positions(start, end)
+            if positions or (not req.input_logprobs_done and end >= len(req.input_ids)):
+                if not req.input_logprobs and req.logprob_start_len == 0:
+                    req.input_logprobs.append(None)
+                    req.input_top_logprobs.append([])
+                for p in positions:
+                    i = row_of[row + p - start]
+                    req.input_logprobs.append(float(result.target_logprobs[i]))
+                    if result.top_logprobs is not None and req.top_logprobs_num:
+                        k = req.top_logprobs_num
+                        req.input_top_logprobs.append(
+                            list(
+                                zip(
+                                    result.top_logprobs[i][:k].tolist(),
+                                    result.top_ids[i][:k].tolist(),
+                                )
+                            )
+                        )
+            if end >= len(req.input_ids):
+                req.input_logprobs_done = True
+            row += end - start
+
+    def _append_token(self, req: Req, token: int, logprob: float, now: float) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_times.append(now)
+        params = req.sampling
+        reason = None
+        is_eos = token in self.eos_token_ids
+        if req.grammar is not None and not is_eos:
+            try:
+                req.grammar.accept(token)
+            except ValueError as e:
+                reason = {"type": "abort", "message": f"grammar rejected token {token}: {e}"}
+        min_done = len(req.output_ids) >= params.min_new_tokens
+        if reason is not None:
+            pass
+        elif is_eos and (not params.ignore_eos or req.grammar is not None) and min_done:
+            reason = {"type": "stop", "matched": token}
+        elif token in params.stop_token_ids and min_done:
+            reason = {"type": "stop", "matched": token}
+        elif req.grammar is not None and req.grammar.is_terminated():
+            reason = {"type": "stop", "matched": "grammar"}
+        elif len(req.output_ids) >= params.max_new_tokens:
+            reason = {"type": "length", "length": params.max_new_tokens}
+        elif req.seq_len >= self.context_len:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        elif params.stop and min_done:
+            window = max(len(s) for s in params.stop) + 8
+            tail = self.decode(req.output_ids[-window:])
+            for stop in params.stop:
+                if stop in tail:
+                    reason = {"type": "stop", "matched": stop}
+                    break
+        if reason is not None:
+            self._finish(req, reason)
+
+    # ---- KV ownership ----------------------------------------------------------------------
+
+    def _cache_computed(self, req: Req) -> None:
+        """Insert the computed prefix into the tree, adopt the tree's slots, move the lock."""
+        if self.tree.disabled:
+            return
+        keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+        present = self.tree.insert(keys, req.slots[: req.kv_len])
+        slots, node = self.tree.match_prefix(keys)
+        assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
+        if present > req.prefix_len:  # duplicates of someone else's insert: use the tree's
+            req.set_slots(req.prefix_len, slots[req.prefix_len : present])
+        self.tree.lock(node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len = node, req.kv_len
+        self._drop_unused_pages(req)
+
+    def _drop_unused_pages(self, req: Req) -> None:
+        """Release own pages the slot table no longer points into."""
+        if not req.own_pages:
+            return
+        in_use = set((req.slots[: req.kv_len] // self.pool.page_size).tolist())
+        if req.kv_len % self.pool.page_size:  # the tail page the next token is written into
+            in_use.add(req.own_pages[-1])
+        unused = [p for p in req.own_pages if p not in in_use]
+        if unused:
+            req.own_pages = [p for p in req.own_pages if p in in_use]
+            self.pool.decref(unused)
+
+    def _release(self, req: Req, keep_in_tree: bool) -> None:
+        """Give back everything `req` holds; its computed KV stays in the tree (evictable)."""
+        if req.last_node is None and not req.own_pages:
+            return
+        if keep_in_tree and not self.tree.disabled and req.kv_len > req.prefix_len:
+            keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+            self.tree.insert(keys, req.slots[: req.kv_len])
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        self.pool.decref(req.own_pages)
+        req.own_pages, req.last_node = [], None
+        req.slots = np.zeros(0, dtype=I64)
+        req.kv_len = req.prefix_len = 0
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        if req.finished:
+            return
+        req.finish_reason = reason
+        if reason["type"] in ("abort", "error") and req.error is None:
+            req.error = reason.get("message", reason["type"])
+        self._release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
+        req.state = ReqState.FINISHED
+        self.counters["finished_requests"] += 1
+
+    def _fail(self, req: Req, message: str) -> None:
+        req.error = message
+        self._finish(req, {"type": "error", "message": message})
+
+    def _fail_running(self, req: Req, message: str) -> Req:
+        self.running.remove(req)
+        self._fail(req, message)
+        return req
+
+    def _check_fits(self, req: Req) -> str | None:
+        need = len(req.input_ids) + req.sampling.max_new_tokens
+        if len(req.input_ids) == 0:
+            return "empty prompt"
+        if len(req.input_ids) >= self.context_len:
+            return f"prompt has {len(req.input_ids)} tokens; the context holds {self.context_len}"
+        if need > self.pool.capacity_pages * self.pool.page_size:
+            return (
+                f"request needs {need} KV slots (prompt + max_new_tokens) but the pool holds "
+                f"{self.pool.capacity_pages * self.pool.page_size}"
+            )
+        return None
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            **c,
+            "cache_hit_rate": c["cached_tokens"] / c["prompt_tokens"]
+            if c["prompt_tokens"]
+            else 0.0,
+            "tokens_in_tree": self.tree.total_size,
+            "evictable_tokens": self.tree.evictable_size,
+            "protected_tokens": self.tree.protected_size,
+            "free_slots": self.pool.num_free_slots,
+            "total_slots": self.pool.capacity_pages * self.pool.page_size,
+            "running_requests": len(self.running) + (1 if self.chunked else 0),
+            "waiting_requests": len(self.waiting) + len(self.grammar_queue),
+            "new_token_ratio": self.new_token_ratio,
+        }
+
+    def check_invariants(self) -> None:
+        """Slot/page ownership adds up; tree counters and locks are consistent."""
+        refs = self.tree.check()
+        live = [r for r in self.live_requests() if r.own_pages or r.last_node is not None]
+        private: list[np.ndarray] = []
+        for req in live:
+            refs[np.asarray(req.own_pages, dtype=I64)] += 1
+            assert req.last_node is None or req.last_node.lock_ref > 0, f"{req.rid} lock lost"
+            private.append(req.slots[req.prefix_len : req.kv_len])
+        refs[0] += 1  # the reserved page
+        assert (refs == self.pool.refs).all(), (
+            f"page refs differ at {np.flatnonzero(refs != self.pool.refs)[:8]}"
+        )
+        free = self.pool.free_page_set()
+        assert len(free) == self.pool.num_free_pages, "a page is free twice"
+        assert all(self.pool.refs[p] == 0 for p in free), "a referenced page is free"
+        assert int((self.pool.refs == 0).sum()) == len(free), "an unreferenced page is not free"
+        if private:
+            slots = np.concatenate(private)
+            assert len(np.unique(slots)) == len(slots), "a private slot is owned twice"
+        if not self.has_work:
+            assert self.tree.protected_size == 0, f"idle with {self.tree.protected_size} locked"
+            tree_pages = int((refs[1:] > 0).sum())
+            assert tree_pages + self.pool.num_free_pages == self.pool.capacity_pages, "idle leak"

@@ -1,0 +1,81 @@
+"""Tokenizer loading, model facts for clients, and incremental detokenization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Tokens of left context decoded with the first new token, so a tokenizer that drops a
+# leading space on the first token of a decode (SentencePiece) still emits it.
+DETOKENIZE_CONTEXT = 5
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> tuple[int, ...]:
+    """Every id that ends a generation: the tokenizer's EOS and the config's eos_token_id(s)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config_eos = config.get("eos_token_id")
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif isinstance(config_eos, list):
+        ids.update(int(i) for i in config_eos)
+    return tuple(sorted(ids))
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text, never emitting half a UTF-8 character.
+
+    `prompt_tail` gives the decoder left context; only text after it is returned.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    prompt_tail: list[int]
+    skip_special_tokens: bool = True
+    text: str = ""
+    _read_offset: int = 0  # output ids already reflected in `text`
+
+    def __post_init__(self) -> None:
+        self.prompt_tail = list(self.prompt_tail[-DETOKENIZE_CONTEXT:])
+
+    def update(self, output_ids: list[int], final: bool = False) -> str:
+        """Advance to `output_ids`; return the full committed text so far."""
+        new_ids = output_ids[self._read_offset :]
+        if not new_ids:
+            return self.text
+        read = self._read_offset
+        if read >= DETOKENIZE_CONTEXT:
+            context = output_ids[read - DETOKENIZE_CONTEXT : read]
+        else:
+            context = self.prompt_tail[read:] + output_ids[:read]
+        before = self._decode(context)
+        after = self._decode(context + new_ids)
+        new_text = after[len(before) :]
+        if new_text.endswith("\ufffd") and not final:
+            return self.text  # an incomplete UTF-8 sequence: wait for its next byte
+        self.text += new_text
+        self._read_offset = len(output_ids)
+        return self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def trim_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """Cut `text` at the earliest stop string; return (text, matched stop or None)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return text, None
+    return text[: best[0]], best[1]
