@@ -119,13 +119,13 @@ class _Compiled:
     """One compiled grammar shared by every request using it (read-only apart from the memos).
 
     The index is built for `(?:regex)\\x00`: the NUL byte is the end mark, a token
-    (`end_token`) just past the mask row, and real tokens holding a NUL byte are left out of the
-    vocabulary. The regex can end in a state exactly when the mark leads to a final state. Why: alone,
-    outlines-core 0.2.14 drops every token whose text up to its last byte already completes the
-    regex ("." after "12" for `[0-9]+(\\.[0-9]+)?`, "a" after "ab" for `(ab)+`) and, matching
-    leftmost-first, prunes longer alternatives once a shorter one matched (`a b|a b c`). With
-    the mark no real text completes the pattern, so nothing is dropped; the price is that no
-    constrained output contains a NUL byte."""
+    (`end_token`) just past the mask row, and real tokens holding a NUL byte are left out of
+    the vocabulary. The regex can end in a state exactly when the mark leads to a final state.
+    Why: alone, outlines-core 0.2.14 drops every token whose text up to its last byte already
+    completes the regex ("." after "12" for `[0-9]+(\\.[0-9]+)?`, "a" after "ab" for `(ab)+`)
+    and, matching leftmost-first, prunes longer alternatives once a shorter one matched
+    (`a b|a b c`). With the mark no real text completes the pattern, so nothing is dropped; the
+    price is that no constrained output contains a NUL byte."""
 
     index: Index
     words: int
@@ -147,8 +147,8 @@ class _Compiled:
         """The regex is complete and no token but EOS may follow."""
         result = self.terminal_memo.get(state)
         if result is None:
-            allowed = self.index.get_allowed_tokens(state) or []
-            result = self.can_end(state) and allowed == [self.end_token]
+            result = self.can_end(state)  # listing a state's tokens costs up to ~1 ms
+            result = result and self.index.get_allowed_tokens(state) == [self.end_token]
             self.terminal_memo[state] = result
         return result
 
@@ -245,6 +245,8 @@ class GrammarBackend:
         token_ids[END_MARK] = [self.end_token]
         self.vocabulary = Vocabulary(self.eos_token_ids[0], token_ids)
         self._write_words = max(self.words, -(-len(self.vocabulary) // 32))
+        # Every byte but NUL, to check a user regex on its own before it is wrapped.
+        self._bytes_vocabulary = Vocabulary(256, {bytes([b]): [b] for b in range(1, 256)})
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, _Compiled | GrammarError] = OrderedDict()
@@ -307,13 +309,13 @@ class GrammarBackend:
         """Runs in a worker thread; returns (never raises) the grammar's problem."""
         try:
             regex = self._regex(key)
+            if key[0] == "regex":  # alone first: "a)(b" would pass once wrapped in "(?:...)"
+                Index(regex, self._bytes_vocabulary)
+            index = Index(f"(?:{regex})\\x00", self.vocabulary)
         except GrammarError as e:
             return e
-        marked = f"(?:{regex})\\x00"
-        try:
-            index = Index(marked, self.vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:  # outlines-core's build errors
-            return GrammarError(_index_error(key, str(e).replace(marked, regex)))
+            return GrammarError(_index_error(key, e))
         return _Compiled(index, self.words, self.eos_token_ids, self.end_token, self._write_words)
 
     def _regex(self, key: GrammarKey) -> str:
@@ -363,7 +365,7 @@ def strip_anchors(pattern: str) -> str:
     return pattern
 
 
-def _index_error(key: GrammarKey, error: str) -> str:
+def _index_error(key: GrammarKey, error: Exception) -> str:
     kind, text = key
     if kind != "regex":
         return f"{kind} grammar does not compile to an index: {error}"
