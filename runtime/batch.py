@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from radixflow.runtime.sampling import SamplingParams
 
 I64 = np.int64

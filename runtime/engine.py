@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
+
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.loader import resolve_model_dir
@@ -31,7 +33,6 @@ from radixflow.runtime.tokenizer import (
     load_tokenizer,
     trim_at_stop,
 )
-from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -108,10 +109,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
 def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
-    try:
-        from radixflow.runtime.constraints import GrammarBackend
-    except ImportError:  # TODO(lead): remove once constraints.py lands
-        return None
+    from radixflow.runtime.constraints import GrammarBackend
+
     return GrammarBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
 
 

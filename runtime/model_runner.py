@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+
 from radixflow.kernels import get_ops
 from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.models.llama import ForwardBatch, LlamaConfig, LlamaModel
 from radixflow.runtime.sampler import sample
-from safetensors.torch import load_file
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -16,6 +16,7 @@ import heapq
 import itertools
 
 import numpy as np
+
 from radixflow.runtime.kv_pool import KVPool
 
 EMPTY = np.zeros(0, dtype=np.int64)

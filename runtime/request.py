@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+
 from radixflow.runtime.radix_cache import Node
 from radixflow.runtime.sampling import SamplingParams
 

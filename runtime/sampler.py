@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from radixflow.runtime.batch import BatchPlan
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
+
 from radixflow.runtime.batch import I64, BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.kv_pool import KVPool

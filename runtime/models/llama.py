@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from radixflow.kernels import AttentionOps
 from torch import nn
+
+from radixflow.kernels import AttentionOps
 
 
 @dataclass(frozen=True)
