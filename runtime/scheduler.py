@@ -131,6 +131,8 @@ class Scheduler:
         updated = self._poll_grammars()
         updated += self._make_decode_room()
         decodes = list(self.running)
+        for req in decodes:  # before admission, so prefills cannot take the decodes' pages
+            self._alloc_decode_slot(req)
         extends = self._admit()
         if not decodes and not extends:
             if not self.has_work:
@@ -412,7 +414,7 @@ class Scheduler:
         num_extend = row
         dkv, dkv_indices = [0], []
         for req in decodes:
-            slot = self._next_decode_slot(req)
+            slot = int(req.slots[req.kv_len])
             input_ids.append([req.output_ids[-1]])
             positions.append(np.array([req.kv_len], dtype=I64))
             out_slots.append(np.array([slot], dtype=I64))
@@ -445,7 +447,7 @@ class Scheduler:
         self._fill_sampling(plan, sample_reqs, extends)
         return plan, sample_reqs
 
-    def _next_decode_slot(self, req: Req) -> int:
+    def _alloc_decode_slot(self, req: Req) -> int:
         """The slot for position kv_len: next in the request's own last page, or a new page
         (`_make_decode_room` guaranteed one is free)."""
         size = self.pool.page_size
