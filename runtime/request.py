@@ -9,6 +9,7 @@ The last sampled token has no KV yet: it is the input of the next decode step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -102,6 +103,52 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+
+    def append_token(
+        self, token: int, logprob: float, now: float, eos_token_ids: tuple[int, ...]
+    ) -> dict[str, Any] | None:
+        """Record a sampled token and advance the grammar; return a finish reason if the
+        token itself ends the request (EOS, a stop id, a grammar that rejects it)."""
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        params = self.sampling
+        min_done = len(self.output_ids) >= params.min_new_tokens
+        if token in eos_token_ids:
+            # ignore_eos never overrides a grammar: EOS is only sampled where it may end
+            if min_done and (not params.ignore_eos or self.grammar is not None):
+                return {"type": "stop", "matched": token}
+            return None
+        if self.grammar is not None:
+            try:
+                self.grammar.accept(token)
+            except ValueError as e:
+                return {"type": "abort", "message": f"grammar rejected token {token}: {e}"}
+        if token in params.stop_token_ids and min_done:
+            return {"type": "stop", "matched": token}
+        return None
+
+    def stop_reason(
+        self, context_len: int, decode: Callable[[list[int]], str]
+    ) -> dict[str, Any] | None:
+        """Finish reason after the last token: grammar complete, length, or a stop string in
+        the decoded tail (`decode` turns ids into text)."""
+        params = self.sampling
+        if self.grammar is not None and self.grammar.is_terminated():
+            return {"type": "stop", "matched": "grammar"}
+        if len(self.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if self.seq_len >= context_len:
+            return {"type": "length", "length": len(self.output_ids)}
+        if params.stop and len(self.output_ids) >= params.min_new_tokens:
+            tail = decode(self.output_ids[-(max(len(s) for s in params.stop) + 8) :])
+            for stop in params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
 
     def set_slots(self, position: int, slots: np.ndarray) -> None:
         """Write `slots` for positions position.. and grow the table as needed."""

@@ -17,17 +17,15 @@ import numpy as np
 from radixflow.runtime.batch import I64, BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.kv_pool import KVPool
-from radixflow.runtime.radix_cache import RadixCache, common_prefix_len
+from radixflow.runtime.radix_cache import RadixCache
 from radixflow.runtime.request import Req, ReqState
+from radixflow.runtime.schedule_policy import order_waiting, shares_uncached
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
-LPM_FALLBACK_QUEUE_LEN = 128
-AGING_TOKENS_PER_STEP = 16  # lpm: each step waited counts as this many cached tokens
-DEDUP_MIN_SHARED = 32  # in-step dedup: defer a request sharing this many uncached tokens
 
 
 class Runner(Protocol):
@@ -231,14 +229,16 @@ class Scheduler:
                 budget -= chunk
         admitted_cost = 0.0
         in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
-        for req in self._ordered_waiting():
+        for req in order_waiting(
+            self.waiting, self.tree, self.config.schedule_policy, self.step_count
+        ):
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
                 break
             prefix, node = self.tree.match_prefix(
                 np.asarray(req.fill_ids[: req.max_prefix_len], I64)
             )
             ids = np.asarray(req.fill_ids, dtype=I64)
-            if self._shares_uncached(ids, len(prefix), in_step):
+            if not self.tree.disabled and shares_uncached(ids, len(prefix), in_step):
                 continue  # a request admitted this step computes that prefix; reuse it next step
             self.tree.lock(node)
             extend_len = req.seq_len - len(prefix)
@@ -266,61 +266,6 @@ class Scheduler:
             budget -= chunk
             admitted_cost += cost
         return extends
-
-    def _ordered_waiting(self) -> list[Req]:
-        policy = self.config.schedule_policy
-        if policy == "fcfs" or len(self.waiting) > LPM_FALLBACK_QUEUE_LEN or self.tree.disabled:
-            return sorted(self.waiting, key=lambda r: r.arrival)
-        if policy == "lpm":
-
-            def priority(req: Req) -> tuple[float, float]:
-                prefix, _ = self.tree.match_prefix(
-                    np.asarray(req.fill_ids[: req.max_prefix_len], I64)
-                )
-                waited = self.step_count - req.arrival_step
-                return (-(len(prefix) + AGING_TOKENS_PER_STEP * waited), req.arrival)
-
-            return sorted(self.waiting, key=priority)
-        return self._dfs_weight_order()
-
-    def _dfs_weight_order(self) -> list[Req]:
-        """Requests grouped by tree subtree, heaviest subtrees (most waiting requests) first."""
-        by_node: dict[int, list[Req]] = {}
-        nodes = {}
-        for req in sorted(self.waiting, key=lambda r: r.arrival):
-            _, node = self.tree.match_prefix(np.asarray(req.fill_ids[: req.max_prefix_len], I64))
-            by_node.setdefault(id(node), []).append(req)
-            nodes[id(node)] = node
-        weight: dict[int, int] = {}
-
-        def compute(node: Any) -> int:
-            w = len(by_node.get(id(node), [])) + sum(compute(c) for c in node.children.values())
-            weight[id(node)] = w
-            return w
-
-        compute(self.tree.root)
-        order: list[Req] = []
-
-        def visit(node: Any) -> None:
-            for child in sorted(node.children.values(), key=lambda c: -weight[id(c)]):
-                if weight[id(child)]:
-                    visit(child)
-            order.extend(by_node.get(id(node), []))
-
-        visit(self.tree.root)
-        return order
-
-    def _shares_uncached(self, ids: np.ndarray, cached: int, in_step: list[np.ndarray]) -> bool:
-        if self.tree.disabled:
-            return False
-        for other in in_step:
-            if (
-                common_prefix_len(ids, other) - cached
-                >= min(DEDUP_MIN_SHARED, len(ids) - cached - 1)
-                > 0
-            ):
-                return True
-        return False
 
     def _start(self, req: Req, prefix: np.ndarray, node: Any, chunk: int) -> bool:
         """Give a waiting request its cached prefix (lock already held) and `chunk` new slots."""
@@ -573,40 +518,8 @@ class Scheduler:
             row += end - start
 
     def _append_token(self, req: Req, token: int, logprob: float, now: float) -> None:
-        req.output_ids.append(token)
-        if req.return_logprob:
-            req.output_logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.token_times.append(now)
-        params = req.sampling
-        reason = None
-        is_eos = token in self.eos_token_ids
-        if req.grammar is not None and not is_eos:
-            try:
-                req.grammar.accept(token)
-            except ValueError as e:
-                reason = {"type": "abort", "message": f"grammar rejected token {token}: {e}"}
-        min_done = len(req.output_ids) >= params.min_new_tokens
-        if reason is not None:
-            pass
-        elif is_eos and (not params.ignore_eos or req.grammar is not None) and min_done:
-            reason = {"type": "stop", "matched": token}
-        elif token in params.stop_token_ids and min_done:
-            reason = {"type": "stop", "matched": token}
-        elif req.grammar is not None and req.grammar.is_terminated():
-            reason = {"type": "stop", "matched": "grammar"}
-        elif len(req.output_ids) >= params.max_new_tokens:
-            reason = {"type": "length", "length": params.max_new_tokens}
-        elif req.seq_len >= self.context_len:
-            reason = {"type": "length", "length": len(req.output_ids)}
-        elif params.stop and min_done:
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.decode(req.output_ids[-window:])
-            for stop in params.stop:
-                if stop in tail:
-                    reason = {"type": "stop", "matched": stop}
-                    break
+        reason = req.append_token(token, logprob, now, self.eos_token_ids)
+        reason = reason or req.stop_reason(self.context_len, self.decode)
         if reason is not None:
             self._finish(req, reason)
 
