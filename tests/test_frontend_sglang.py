@@ -1,0 +1,182 @@
+"""Programs written exactly as for SGLang (only the import differs), end to end on SmolLM2
+through one real server; plus the fork prefix-once and run_batch checks on the server."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+import radixflow as sgl
+
+IP_REGEX = r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Any:
+    runtime = sgl.Runtime(model_path="smollm2", max_total_tokens=8192)
+    runtime.endpoint.timeout = 300.0  # the test machine's 2 cores may be shared
+    sgl.set_default_backend(runtime)
+    yield runtime
+    sgl.set_default_backend(None)
+    runtime.shutdown()
+
+
+def test_mt_bench_roles(runtime: Any) -> None:
+    @sgl.function
+    def answer_mt_bench(s, question_1, question_2):
+        s += sgl.system("You are a helpful assistant.")
+        s += sgl.user(question_1)
+        s += sgl.assistant(sgl.gen("answer_1"))
+        with s.user():
+            s += question_2
+        with s.assistant():
+            s += sgl.gen("answer_2")
+
+    state = answer_mt_bench.run(
+        question_1="Name a fruit.", question_2="Name another.", temperature=0, max_new_tokens=6
+    )
+    assert len(state.messages()) in (4, 5)
+    roles = [m["role"] for m in state.messages()]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert state.text().count("<|im_start|>") == 5 and state.text().endswith("<|im_end|>\n")
+    assert state.get_meta_info("answer_1")["completion_tokens"] <= 6
+
+
+def test_select_and_gen_choices(runtime: Any) -> None:
+    @sgl.function
+    def true_or_false(s, statement):
+        s += "Determine whether the statement below is True or False.\n\n"
+        s += "Statement: The capital of France is Paris.\nAnswer: True\n\n"
+        s += "Statement: Fish can fly to the moon.\nAnswer: False\n\n"
+        s += "Statement: " + statement + "\n"
+        s += "Answer: " + sgl.select("answer", ["True", "False"])
+        s += "\nConfidence: " + sgl.gen("level", choices=["high", "low"])
+
+    state = true_or_false.run(statement="The capital of Germany is Berlin.")
+    assert state["answer"] in ("True", "False") and state["level"] in ("high", "low")
+    assert state.text().endswith(f"Answer: {state['answer']}\nConfidence: {state['level']}")
+    meta = state.get_meta_info("answer")
+    assert len(meta["normalized_prompt_logprobs"]) == 2
+
+
+def test_regex_and_dtype(runtime: Any) -> None:
+    @sgl.function
+    def regex_gen(s):
+        s += "Q: What is the IP address of the Google DNS servers?\n"
+        s += "A: " + sgl.gen("answer", temperature=0, regex=IP_REGEX, max_tokens=16)
+
+    assert re.fullmatch(IP_REGEX, regex_gen.run()["answer"])
+
+    @sgl.function
+    def dtype_gen(s):
+        s += "Q: Which year was DNS invented?\n"
+        s += "A: " + sgl.gen("int_res", dtype=int, max_tokens=6) + "\n"
+        s += "Q: What is the value of pi?\n"
+        s += "A: " + sgl.gen("float_res", dtype=float, max_tokens=6) + "\n"
+        s += "Q: Is the sky blue?\n"
+        s += "A: " + sgl.gen("bool_res", dtype=bool) + "\n"
+        s += "Q: What is the name of the DNS protocol?\n"
+        s += "A: " + sgl.gen_string("str_res", max_tokens=12) + "\n"
+
+    state = dtype_gen.run(temperature=0)
+    assert isinstance(int(state["int_res"]), int)
+    assert isinstance(float(state["float_res"]), float)
+    assert state["bool_res"] in ("True", "False")
+    assert re.fullmatch(r'"[\w\d\s]*"?', state["str_res"])  # closed unless cut at max_tokens
+
+
+def test_parallel_decoding_fork_join(runtime: Any) -> None:
+    @sgl.function
+    def parallel_decoding(s, topic):
+        s += "Act as a helpful assistant.\n"
+        s += "USER: Give some tips for " + topic + ".\n"
+        s += "ASSISTANT: Okay. Here are two tips for " + topic + ": 1. "
+        s += sgl.gen("tip_1", max_tokens=6, stop=[".", "\n"]) + ". 2. "
+        s += sgl.gen("tip_2", max_tokens=6, stop=[".", "\n"]) + ".\n"
+        branches = s.fork(2)
+        for i in range(2):
+            branches[i] += f"Now, I expand tip {i + 1} into a detailed paragraph:\n"
+            branches[i] += sgl.gen("detailed_tip", max_tokens=6, stop=["\n\n"])
+        branches.join()
+        s += "Expansion of tip 1: " + branches[0]["detailed_tip"] + "\n"
+        s += "Expansion of tip 2: " + branches[1]["detailed_tip"] + "\n"
+        s += "In summary," + sgl.gen("summary", max_tokens=6)
+
+    state = parallel_decoding.run(topic="staying healthy", temperature=0)
+    assert len(state["detailed_tip"]) == 2
+    assert "Expansion of tip 2: " + state["detailed_tip"][1] in state.text()
+    assert state.error() is None
+
+
+def test_streaming_text_iter(runtime: Any) -> None:
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=8))
+
+    state = qa.run(question="What is the capital of Spain?", stream=True, temperature=0)
+    chunks = list(state.text_iter("answer"))
+    assert "".join(chunks) == state["answer"] and len(chunks) >= 2
+    whole = qa.run(question="What is the capital of Spain?", stream=True, temperature=0)
+    assert "".join(whole.text_iter()) == whole.text()
+    assert whole["answer"] == state["answer"]
+
+
+def test_json_schema(runtime: Any) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+    }
+
+    @sgl.function
+    def city(s):
+        s += "Give a city and the year it was founded as JSON.\n"
+        s += sgl.gen("json", json_schema=json.dumps(schema), max_tokens=48, temperature=0)
+
+    value = json.loads(city.run()["json"])
+    assert isinstance(value["city"], str) and isinstance(value["year"], int)
+
+
+def test_fork_of_8_prefills_shared_prefix_once(runtime: Any) -> None:
+    shared = "Here is a list of facts about the sea.\n" + "".join(
+        f"Fact {i}: the sea covers much of the planet and holds {i} kinds of fish.\n"
+        for i in range(20)
+    )
+
+    @sgl.function
+    def eight_branches(s):
+        s += shared
+        forks = s.fork(8)
+        forks += lambda i: f"Branch {i}:" + sgl.gen("x", max_tokens=2, temperature=0)
+        forks.join()
+
+    assert sgl.flush_cache()
+    before = sgl.get_server_info()
+    state = eight_branches.run()
+    assert len(state["x"]) == 8
+    after = sgl.get_server_info()
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    prompt = runtime.get_tokenizer()(shared, add_special_tokens=False)["input_ids"]
+    assert len(prompt) > 300
+    # once for the shared prefix, then a few new tokens per branch (plus each one's 2 outputs)
+    assert computed < len(prompt) + 8 * 16, (computed, len(prompt))
+
+
+def test_run_batch_64_in_order_with_progress_bar(
+    runtime: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    @sgl.function
+    def count(s, i):
+        s += f"Number {i}. The next number is" + sgl.gen("next", max_tokens=2)
+
+    states = count.run_batch(
+        [{"i": i} for i in range(64)], temperature=0, progress_bar=True, num_threads=64
+    )
+    assert len(states) == 64
+    assert all(state.text().startswith(f"Number {i}.") for i, state in enumerate(states))
+    assert all(isinstance(state["next"], str) for state in states)
+    assert "64/64" in capsys.readouterr().err
