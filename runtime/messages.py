@@ -29,14 +29,19 @@ client's requests in flight; abort by rid is global):
     abort         target_rid: finish that request wherever it is (queued, chunking,
                   decoding); idempotent, an unknown or finished rid is not an error
     flush_cache, model_info, stats, health: no fields besides rid
+    ping          no fields and no reply. A client with requests in flight sends one at least
+                  every PING_INTERVAL_S; the server aborts the requests of a client it has not
+                  heard from (any frame) for CLIENT_TIMEOUT_S (the client crashed or froze).
 
 Replies (server -> client), every one carrying the request's rid:
     zero or more `chunk` (only for generate with stream=True), then exactly ONE final reply:
-    `result` or `error`. Nothing else is ever sent for that rid.
+    `result` or `error`. Nothing else is ever sent for that rid. A streamed generate ends
+    with the same full `result` as an unstreamed one (the client derives its last chunk).
     chunk   text (cumulative, held back at an incomplete UTF-8 character or a possible stop
-            string), new_ids (output ids since the previous chunk), meta_info (cumulative
-            counts; with return_logprob, output_token_logprobs holds only the entries of
-            new_ids, each [logprob, token_id, None])
+            string), new_ids (output ids since the previous chunk), meta_info (id and the
+            cumulative prompt/completion/cached token counts; with return_logprob,
+            output_token_logprobs holds only the entries of new_ids, each
+            [logprob, token_id, None])
     result  data, by request type:
             generate      {"text", "output_ids", "meta_info"}: the full output; meta_info has
                           id, prompt_tokens, completion_tokens, cached_tokens, finish_reason
@@ -46,8 +51,9 @@ Replies (server -> client), every one carrying the request's rid:
                           input_token_logprobs from logprob_start_len, top logprobs when asked)
             score         {"choices": [{"text", "token_ids", "logprobs",
                           "unconditional_logprobs" (list or None)}]}: logprobs of exactly the
-                          continuation's tokens; an unconditional first token has no context
-                          and reports 0.0
+                          continuation's tokens; a token without context (the first one
+                          unconditionally, or after an empty prefix) reports 0.0. Aborted:
+                          {"choices": [], "aborted": true}
             cache_prefix  {"meta_info": {...}}
             abort         {"aborted": bool}     flush_cache  {"flushed": bool}
             model_info    {"model", "model_path", "chat_template", "special_tokens",
@@ -68,7 +74,8 @@ Server <-> scheduler (ipc, same envelope, never seen by clients):
     scheduler -> server: scheduler_ready (model_info, pid) once at start, request_updates (a
         batch of ReqUpdate after each step: stream requests every step they produce tokens,
         the others only when finished; new ids and logprobs are incremental), scheduler_stats
-        (when idle, and at most every STATS_INTERVAL_S while busy), flush_done (rid, flushed)
+        (on becoming idle, with the idle leak check, and a few times a second while busy),
+        flush_done (rid, flushed)
 """
 
 from __future__ import annotations
@@ -83,6 +90,8 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 
 PROTOCOL_VERSION = 1
+PING_INTERVAL_S = 1.0
+CLIENT_TIMEOUT_S = 6.0
 
 ERROR_BAD_MESSAGE = "bad_message"  # not msgpack, not a map, missing/unknown/mistyped field
 ERROR_BAD_VERSION = "bad_version"
@@ -94,7 +103,8 @@ ERROR_DUPLICATE_RID = "duplicate_rid"
 ERROR_FAILED = "failed"  # the scheduler could not run it (bad grammar, out of KV, ...)
 ERROR_UNAVAILABLE = "unavailable"  # the scheduler process died or is restarting
 ERROR_SHUTDOWN = "shutdown"
-ERROR_TIMEOUT = "timeout"  # client side only: no reply in time
+ERROR_INTERNAL = "internal"  # a server bug, logged with its traceback
+ERROR_TIMEOUT = "timeout"  # client side only (never on the wire): no reply in time
 ERROR_DISCONNECTED = "disconnected"  # client side only: the connection dropped
 
 
@@ -169,6 +179,11 @@ class Stats:
 class Health:
     TAG: ClassVar[str] = "health"
     rid: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    TAG: ClassVar[str] = "ping"
 
 
 # ---- server -> client -------------------------------------------------------------------
@@ -282,7 +297,7 @@ class FlushDone:
     flushed: bool
 
 
-CLIENT_REQUESTS = (Generate, Score, CachePrefix, Abort, FlushCache, ModelInfo, Stats, Health)
+CLIENT_REQUESTS = (Generate, Score, CachePrefix, Abort, FlushCache, ModelInfo, Stats, Health, Ping)
 CLIENT_REPLIES = (Chunk, Result, Error)
 TO_SCHEDULER = (AddRequests, AbortRequests, Flush, Shutdown)
 FROM_SCHEDULER = (SchedulerReady, RequestUpdates, SchedulerStats, FlushDone)

@@ -13,8 +13,7 @@ import ipaddress
 import shutil
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import zmq
 
@@ -50,10 +49,6 @@ def make_ipc_dir() -> IpcAddresses:
 
 def remove_ipc_dir(addresses: IpcAddresses) -> None:
     shutil.rmtree(addresses.directory, ignore_errors=True)
-
-
-def ipc_dir_exists(addresses: IpcAddresses) -> bool:
-    return Path(addresses.directory).exists()
 
 
 def is_loopback(host: str) -> bool:
@@ -123,10 +118,9 @@ class PullQueue(Generic[M]):
 def client_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, str]:
     """The server's client-facing ROUTER socket, bound; returns it and its tcp address.
 
-    Disconnects are reported as an empty frame from the peer (ROUTER_NOTIFY), and ZMTP
-    heartbeats turn a peer that stops answering (frozen, unplugged) into a disconnect."""
+    Vanished clients are found by the protocol's pings (ROUTER_NOTIFY is a draft option that
+    stock libzmq builds lack); ZMTP heartbeats drop dead TCP connections."""
     sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
     sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -137,8 +131,3 @@ def client_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, s
     else:
         sock.bind(f"tcp://{literal}:{port}")
     return sock, f"tcp://{literal}:{port}"
-
-
-def socket_options(sock: zmq.Socket) -> dict[str, Any]:
-    """A few options, for logs and tests."""
-    return {"linger": sock.getsockopt(zmq.LINGER), "sndhwm": sock.getsockopt(zmq.SNDHWM)}

@@ -1,0 +1,126 @@
+"""Tiny requests through the server vs the offline Engine, side by side, in one run.
+
+    python programs/bench_server.py [--requests 1000] [--threads 16] [--max-new-tokens 8]
+
+Server: `--threads` client threads share one RuntimeEndpoint and send `--requests` greedy
+requests (distinct prompts); latency is per request as the client sees it. Engine: the same
+requests in one `generate` list call; its latency is each request's e2e_latency (arrival in
+the scheduler to finish). The server runs first and is shut down before the Engine loads, so
+the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from radixflow.backend import Runtime
+
+TOPICS = "rivers stones clouds music paper light bridges trains gardens oceans".split()
+
+
+def make_prompts(count: int) -> list[str]:
+    return [f"Request {i}: one fact about {TOPICS[i % len(TOPICS)]} is" for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(name: str, wall: float, latencies: list[float], tokens: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "requests": len(latencies),
+        "wall_s": wall,
+        "requests_per_s": len(latencies) / wall,
+        "output_tokens_per_s": tokens / wall,
+        "p50_latency_s": statistics.median(latencies),
+        "p99_latency_s": percentile(latencies, 0.99),
+    }
+
+
+def bench_server(prompts: list[str], params: dict, threads: int, config: dict) -> tuple:
+    with Runtime(log_level="warning", **config) as runtime:
+        endpoint = runtime.endpoint
+        endpoint.generate("warm up", params)
+
+        def one(prompt: str) -> tuple[float, dict]:
+            start = time.perf_counter()
+            out = endpoint.generate(prompt, params)
+            return time.perf_counter() - start, out
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(one, prompts))
+        wall = time.perf_counter() - start
+        steps = endpoint.stats()["forward_steps"]
+    latencies = [lat for lat, _ in results]
+    tokens = sum(out["meta_info"]["completion_tokens"] for _, out in results)
+    row = summarize(f"server ({threads} threads)", wall, latencies, tokens)
+    row["forward_steps"] = steps
+    return row, [out["output_ids"] for _, out in results]
+
+
+def bench_engine(prompts: list[str], params: dict, config: dict) -> tuple:
+    from radixflow.runtime import Engine
+
+    with Engine(**config) as engine:
+        engine.generate("warm up", params)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        steps = engine.stats()["forward_steps"]
+    latencies = [out["meta_info"]["e2e_latency"] for out in outs]
+    tokens = sum(out["meta_info"]["completion_tokens"] for out in outs)
+    row = summarize("engine (one list call)", wall, latencies, tokens)
+    row["forward_steps"] = steps
+    return row, [out["output_ids"] for out in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-total-tokens", type=int, default=32768)
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads (0 = torch's default)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    prompts = make_prompts(args.requests)
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
+    config = {"max_total_tokens": args.max_total_tokens, "num_threads": args.num_threads}
+    load_before = os.getloadavg()[0]
+    server_row, server_ids = bench_server(prompts, params, args.threads, config)
+    engine_row, engine_ids = bench_engine(prompts, params, {"model": "smollm2", **config})
+    rows = [server_row, engine_row]
+    same = sum(a == b for a, b in zip(server_ids, engine_ids))
+    if args.json:
+        print(json.dumps({"rows": rows, "identical_outputs": same, **config}, indent=2))
+        return 0
+    print(
+        f"{args.requests} requests, {args.max_new_tokens} new tokens each, greedy, "
+        f"num_threads={args.num_threads}, load average {load_before:.1f} -> "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'':26} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'wall s':>8} {'steps':>6}")
+    for r in rows:
+        print(
+            f"{r['name']:26} {r['requests_per_s']:8.1f} {r['output_tokens_per_s']:8.1f} "
+            f"{r['p50_latency_s']:8.3f} {r['p99_latency_s']:8.3f} {r['wall_s']:8.1f} "
+            f"{r['forward_steps']:6d}"
+        )
+    print(f"identical outputs: {same}/{args.requests}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

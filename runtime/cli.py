@@ -1,0 +1,65 @@
+"""`radixflow serve` (also `python -m radixflow.runtime`): start a runtime server;
+`radixflow bench`: the benchmark suite (`radixflow.runtime.bench`, its own flags).
+
+    radixflow serve --model smollm2 --port 0
+
+Every ServerConfig field is a flag (`--max-total-tokens`, `--self-check/--no-self-check`).
+The server prints one line `radixflow ready on tcp://HOST:PORT` on stdout when it can serve;
+logs go to stderr. `radixflow scheduler` is the internal entry of the scheduler process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+COMMANDS = ("serve", "bench", "scheduler")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixflow", description="radixflow runtime")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the runtime server")
+    add_config_arguments(serve)
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="stderr log level")
+    commands.add_parser("bench", help="run the benchmark suite (radixflow bench --help)")
+    internal = commands.add_parser("scheduler", help="(internal) the scheduler process")
+    internal.add_argument("--ipc-dir", required=True)
+    internal.add_argument("--parent-pid", type=int, required=True)
+    internal.add_argument("--config-json", required=True)
+    internal.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
+        argv = ["serve", *argv]  # `python -m radixflow.runtime --model smollm2`
+    if argv[0] == "bench":
+        from radixflow.runtime.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    from radixflow.runtime import server
+
+    if args.command == "scheduler":
+        config = config_from_kwargs(**json.loads(args.config_json))
+        addresses = server.IpcAddresses(args.ipc_dir)
+        server.run_scheduler(config, addresses, args.parent_pid)
+        return 0
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"radixflow: {e}", file=sys.stderr)
+        return 2
+    return server.serve(config, args.log_level)

@@ -1,0 +1,920 @@
+"""The runtime server process: the client socket, validation, tokenization, streaming.
+
+One loop (`Server.serve`): poll the client ROUTER socket and the scheduler's PULL queue, turn
+client frames into scheduler requests (or answer them at once: errors, health, stats,
+model_info never wait on the model), turn scheduler updates into replies, then housekeeping
+(scheduler alive? clients alive? log line). The scheduler runs in its own process
+(`SchedulerLoop` / `run_scheduler`, at the end of this file until they move beside the Engine);
+if it dies, every request in flight gets an error, the server reports unhealthy and starts a
+new one. The protocol is in `runtime/messages.py`.
+
+Why this file is long: it holds both process loops and the Job classes that turn scheduler
+updates into replies (generate, score, cache_prefix, flush), each small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import zmq
+
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.messages import (
+    CLIENT_REQUESTS,
+    CLIENT_TIMEOUT_S,
+    ERROR_BAD_MESSAGE,
+    ERROR_DUPLICATE_RID,
+    ERROR_FAILED,
+    ERROR_INTERNAL,
+    ERROR_INVALID_REQUEST,
+    ERROR_SHUTDOWN,
+    ERROR_UNAUTHORIZED,
+    ERROR_UNAVAILABLE,
+    FROM_SCHEDULER,
+    PROTOCOL_VERSION,
+    TO_SCHEDULER,
+    Abort,
+    AbortRequests,
+    AddRequests,
+    CachePrefix,
+    Chunk,
+    Error,
+    Flush,
+    FlushCache,
+    FlushDone,
+    Generate,
+    Health,
+    ModelInfo,
+    Ping,
+    ProtocolError,
+    ReqSpec,
+    RequestUpdates,
+    ReqUpdate,
+    Result,
+    SchedulerReady,
+    SchedulerStats,
+    Score,
+    Shutdown,
+    Stats,
+    decode_with_key,
+    encode,
+)
+from radixflow.runtime.request import Req
+from radixflow.runtime.sampling import SamplingParams
+from radixflow.runtime.tokenizer import IncrementalDetokenizer, trim_at_stop
+from radixflow.runtime.transport import (
+    IpcAddresses,
+    PullQueue,
+    PushQueue,
+    TransportError,
+    client_router,
+    is_loopback,
+    make_ipc_dir,
+    remove_ipc_dir,
+)
+
+log = logging.getLogger("radixflow.server")
+
+POLL_MS = 100
+MAX_FRAMES_PER_POLL = 512
+MAX_RESTARTS_IN_A_ROW = 3
+SHUTDOWN_WAIT_S = 10.0
+MAX_TOP_LOGPROBS = 64
+MAX_RID_LEN = 256
+MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
+CLIENT_CHECK_INTERVAL_S = 0.5
+IDLE_WAIT_MS = 500  # the idle scheduler wakes this often to see whether its server lives
+STATS_INTERVAL_S = 0.25  # stats from a busy scheduler at most this often
+
+
+class ServerStartError(RuntimeError):
+    """The server could not start (bad host/key combination, the scheduler failed to load)."""
+
+
+class RequestError(ValueError):
+    """A request that is answered with an error reply; `code` is an ERROR_* name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
+    """A prefill-only request; input logprobs from `logprob_start_len` (-1: none)."""
+    return ReqSpec(
+        "",
+        ids,
+        {"max_new_tokens": 0},
+        return_logprob=logprob_start_len >= 0,
+        logprob_start_len=logprob_start_len,
+    )
+
+
+class Job:
+    """A client request in flight: its scheduler rids and how their updates become replies.
+
+    This base class serves cache_prefix (one prefill-only request; the result is its
+    meta_info). `on_update` returns the replies an update causes: chunks, or one final."""
+
+    def __init__(self, identity: bytes, rid: str) -> None:
+        self.identity = identity
+        self.rid = rid
+        self.internal: list[str] = []  # scheduler rids, assigned by the server
+        self.abort_requested = False
+        self.disconnected = False
+
+    def on_update(self, update: ReqUpdate) -> list[Any]:
+        if not update.finished:
+            return []
+        meta = {**(update.meta_info or {}), "id": self.rid}
+        return [self.failure(update) or Result(self.rid, {"meta_info": meta})]
+
+    def failure(self, update: ReqUpdate) -> Error | None:
+        """The error reply for a request the scheduler failed (or aborted unasked)."""
+        kind = (update.finish_reason or {}).get("type")
+        if kind == "error" or (kind == "abort" and not self.abort_requested):
+            return Error(self.rid, ERROR_FAILED, update.error or f"finished: {kind}")
+        return None
+
+
+class FlushJob(Job):
+    """flush_cache: answered by the scheduler's FlushDone, not by request updates."""
+
+
+class GenerateJob(Job):
+    def __init__(
+        self,
+        identity: bytes,
+        msg: Generate,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        tokenizer: Any,
+    ) -> None:
+        super().__init__(identity, msg.rid)
+        self.msg, self.input_ids, self.sampling, self.tokenizer = (
+            msg,
+            input_ids,
+            sampling,
+            tokenizer,
+        )
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[Any] = []
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, input_ids, skip_special_tokens=sampling.skip_special_tokens
+            )
+            if msg.stream
+            else None
+        )
+
+    def on_update(self, update: ReqUpdate) -> list[Any]:
+        self.output_ids += update.new_ids
+        self.logprobs += update.new_logprobs
+        self.top_logprobs += update.new_top_logprobs
+        if update.finished:
+            return [self.failure(update) or Result(self.rid, self.output(update))]
+        if self.detokenizer is None:
+            return []
+        text = visible_text(self.detokenizer.update(self.output_ids), self.sampling.stop)
+        meta = {**(update.meta_info or {}), "id": self.rid}
+        if self.msg.return_logprob:
+            new = zip(update.new_logprobs, update.new_ids)
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in new]
+            meta["output_token_logprobs_length"] = len(self.logprobs)
+            if self.msg.top_logprobs_num:
+                meta["output_top_logprobs"] = update.new_top_logprobs
+        return [Chunk(self.rid, text, update.new_ids, meta)]
+
+    def output(self, update: ReqUpdate) -> dict[str, Any]:
+        """The final {text, output_ids, meta_info}, as the offline Engine builds it."""
+        ids = self.output_ids
+        reason = update.finish_reason or {}
+        matched = reason.get("matched")
+        if reason.get("type") == "stop" and type(matched) is int:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.sampling.skip_special_tokens)
+        if self.sampling.stop:
+            text, _ = trim_at_stop(text, self.sampling.stop)
+        meta = {**(update.meta_info or {}), "id": self.rid}
+        if self.msg.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, ids)]
+            meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+            start = self.msg.logprob_start_len
+            if start >= 0:
+                pairs = zip(update.input_logprobs, self.input_ids[start:])
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
+            if self.msg.top_logprobs_num:
+                meta["output_top_logprobs"] = self.top_logprobs
+                meta["input_top_logprobs"] = update.input_top_logprobs
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class ScoreJob(Job):
+    """score: one prefill-only request per continuation (then one per unconditional one)."""
+
+    def __init__(self, identity: bytes, msg: Score, continuations: list[list[int]]) -> None:
+        super().__init__(identity, msg.rid)
+        self.msg, self.continuations = msg, continuations
+        self.done: dict[str, ReqUpdate] = {}
+
+    def on_update(self, update: ReqUpdate) -> list[Any]:
+        if not update.finished:
+            return []
+        self.done[update.rid] = update
+        if len(self.done) < len(self.internal):
+            return []
+        updates = [self.done[rid] for rid in self.internal]
+        for u in updates:
+            failed = self.failure(u)
+            if failed is not None:
+                return [failed]
+        if any((u.finish_reason or {}).get("type") == "abort" for u in updates):
+            return [Result(self.rid, {"choices": [], "aborted": True})]
+        num = len(self.continuations)
+        choices = []
+        for i, ids in enumerate(self.continuations):
+            unconditional = _logprobs(updates[num + i], ids) if self.msg.unconditional else None
+            choices.append(
+                {
+                    "text": self.msg.continuations[i],
+                    "token_ids": ids,
+                    "logprobs": _logprobs(updates[i], ids),
+                    "unconditional_logprobs": unconditional,
+                }
+            )
+        return [Result(self.rid, {"choices": choices})]
+
+
+def _logprobs(update: ReqUpdate, ids: list[int]) -> list[float]:
+    """Input logprobs of the continuation tokens; a token without context counts 0.0."""
+    values = [0.0 if lp is None else lp for lp in update.input_logprobs]
+    assert len(values) == len(ids), f"{update.rid}: {len(values)=} {len(ids)=}"
+    return values
+
+
+def visible_text(text: str, stops: tuple[str, ...]) -> str:
+    """Streamed text: cut at a stop string, and hold back a tail that may begin one."""
+    if not stops:
+        return text
+    text, _ = trim_at_stop(text, stops)
+    hold = max(
+        (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0
+    )
+    return text[: len(text) - hold]
+
+
+class Server:
+    def __init__(self, config: ServerConfig, log_level: str = "info") -> None:
+        if not is_loopback(config.host) and not config.api_key:
+            raise ServerStartError(
+                f"binding {config.host} (not loopback) requires --api-key; every message "
+                "must then carry it"
+            )
+        self.config = config
+        self.log_level = log_level
+        self.ctx = zmq.Context()
+        self.ipc = make_ipc_dir()
+        self.to_scheduler: PushQueue[Any] = PushQueue(self.ctx, self.ipc.to_scheduler, True)
+        self.from_scheduler: PullQueue[Any] = PullQueue(
+            self.ctx, self.ipc.from_scheduler, True, FROM_SCHEDULER
+        )
+        self.router: zmq.Socket | None = None
+        self.address = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.status = "starting"
+        self.last_error = ""
+        self.restarts = 0
+        self.failed_starts = 0
+        self.model_info: dict[str, Any] = {}
+        self.tokenizer: Any = None
+        self.jobs: dict[str, Job] = {}  # by the client's rid
+        self.by_internal: dict[str, Job] = {}  # by scheduler rid
+        self.last_seen: dict[bytes, float] = {}  # client identity -> last frame time
+        self.scheduler_stats: dict[str, Any] = {}
+        self.idle_check: str | None = None
+        self.counters: Counter[str] = Counter()
+        self.next_id = 0
+        self.stopping = False
+        self.started = time.monotonic()
+        self.last_log = (time.monotonic(), 0)
+        self.last_client_check = 0.0
+        self.handlers = {
+            Generate: self._on_generate,
+            Score: self._on_score,
+            CachePrefix: self._on_cache_prefix,
+            Abort: self._on_abort,
+            FlushCache: self._on_flush,
+            ModelInfo: self._on_model_info,
+            Stats: self._on_stats,
+            Health: self._on_health,
+            Ping: lambda identity, msg: None,
+        }
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Start the scheduler, wait until it has loaded the model, bind the client socket.
+        Returns the client address. Raises ServerStartError."""
+        self._spawn_scheduler()
+        while self.status != "ok":
+            if self.stopping:
+                raise ServerStartError("interrupted while starting")
+            for msg in self.from_scheduler.drain(POLL_MS):
+                self._on_scheduler_message(msg)
+            if self.status != "ok" and self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(f"the scheduler process exited ({self.proc.returncode})")
+        self.router, self.address = client_router(self.ctx, self.config.host, self.config.port)
+        if self.config.api_key:
+            log.warning("API key required: every message must carry it")
+        return self.address
+
+    def request_stop(self, *_: object) -> None:
+        """Signal handler: finish the current loop iteration, then shut down."""
+        self.stopping = True
+
+    def serve(self) -> None:
+        """The loop: client frames, scheduler messages, housekeeping; until request_stop."""
+        assert self.router is not None, "start() first"
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.from_scheduler.socket, zmq.POLLIN)
+        while not self.stopping:
+            ready = dict(poller.poll(POLL_MS))
+            if self.router in ready:
+                self._drain_clients()
+            if self.from_scheduler.socket in ready:
+                for msg in self.from_scheduler.drain():
+                    self._on_scheduler_message(msg)
+            self._housekeeping()
+
+    def close(self) -> None:
+        """Answer every request in flight, stop the scheduler, remove the ipc files."""
+        for job in list(self.jobs.values()):
+            self._end(job, Error(job.rid, ERROR_SHUTDOWN, "the server is shutting down"))
+        self._stop_scheduler()
+        if self.router is not None:
+            self.router.close(linger=2000)  # deliver the final replies
+        self.to_scheduler.close()
+        self.from_scheduler.close()
+        self.ctx.term()
+        remove_ipc_dir(self.ipc)
+
+    # ---- the scheduler process ------------------------------------------------------------
+
+    def _spawn_scheduler(self) -> None:
+        config = dataclasses.asdict(self.config.replace(api_key=""))
+        cmd = [sys.executable, "-m", "radixflow.runtime", "scheduler", "--ipc-dir"]
+        cmd += [self.ipc.directory, "--parent-pid", str(os.getpid())]
+        cmd += ["--config-json", json.dumps(config), "--log-level", self.log_level]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+
+    def _stop_scheduler(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.to_scheduler.put(Shutdown())
+        except TransportError:
+            self.proc.terminate()
+        try:
+            self.proc.wait(SHUTDOWN_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.error("scheduler did not stop in %.0fs; killing it", SHUTDOWN_WAIT_S)
+            self.proc.kill()
+            self.proc.wait()
+
+    def _check_scheduler(self) -> None:
+        """Fail everything in flight when the scheduler died; restart it (a few times)."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        code = self.proc.returncode
+        self.proc = None
+        self.last_error = f"the scheduler process exited with code {code}"
+        log.error("%s; failing %d requests in flight", self.last_error, len(self.jobs))
+        for job in list(self.jobs.values()):
+            self._end(job, Error(job.rid, ERROR_UNAVAILABLE, self.last_error))
+        self.failed_starts += self.status != "ok"
+        if self.stopping:
+            return
+        if self.failed_starts >= MAX_RESTARTS_IN_A_ROW:
+            self.status = "dead"
+            log.error("the scheduler failed %d times in a row; giving up", self.failed_starts)
+            return
+        self.status = "restarting"
+        self.restarts += 1
+        self._spawn_scheduler()
+
+    def _on_scheduler_message(self, msg: Any) -> None:
+        if isinstance(msg, RequestUpdates):
+            for update in msg.updates:
+                self._on_update(update)
+        elif isinstance(msg, SchedulerStats):
+            self.scheduler_stats, self.idle_check = msg.stats, msg.idle_check
+        elif isinstance(msg, FlushDone):
+            job = self.by_internal.pop(msg.rid, None)
+            if job is not None:
+                self._end(job, Result(job.rid, {"flushed": msg.flushed}))
+        elif isinstance(msg, SchedulerReady):
+            self._on_ready(msg)
+
+    def _on_ready(self, msg: SchedulerReady) -> None:
+        if self.tokenizer is None:
+            from radixflow.runtime.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(msg.model_info["model_path"])
+        self.model_info = msg.model_info
+        self.status, self.failed_starts = "ok", 0
+        log.info("scheduler %d ready (model loaded in %.1fs)", msg.pid, msg.load_seconds)
+
+    # ---- client frames --------------------------------------------------------------------
+
+    def _drain_clients(self) -> None:
+        assert self.router is not None
+        for _ in range(MAX_FRAMES_PER_POLL):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames[0], frames[1:])
+
+    def _on_frames(self, identity: bytes, parts: list[bytes]) -> None:
+        self.last_seen[identity] = time.monotonic()
+        if len(parts) != 1:
+            self._send(identity, Error("", ERROR_BAD_MESSAGE, f"{len(parts)} frames, expected 1"))
+            return
+        try:
+            msg, key = decode_with_key(parts[0], CLIENT_REQUESTS, self.config.max_message_bytes)
+        except ProtocolError as e:
+            self.counters[f"error_{e.code}"] += 1
+            log.info("protocol error from %s: %s", identity.hex()[:8], e)
+            self._send(identity, Error(e.rid, e.code, str(e)))
+            return
+        rid = getattr(msg, "rid", "")
+        if self.config.api_key and not hmac.compare_digest(key, self.config.api_key):
+            self.counters[f"error_{ERROR_UNAUTHORIZED}"] += 1
+            if not isinstance(msg, Ping):
+                self._send(identity, Error(rid, ERROR_UNAUTHORIZED, "missing or wrong API key"))
+            return
+        if not isinstance(msg, Ping):
+            self.counters[f"request_{msg.TAG}"] += 1
+        try:
+            self.handlers[type(msg)](identity, msg)
+        except RequestError as e:
+            self.counters[f"error_{e.code}"] += 1
+            self._send(identity, Error(rid, e.code, str(e)))
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error on %s %r", msg.TAG, rid)
+            self.counters[f"error_{ERROR_INTERNAL}"] += 1
+            self._send(identity, Error(rid, ERROR_INTERNAL, f"{type(e).__name__}: {e}"))
+
+    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+        self._check_new(msg.rid)
+        ids = self._prompt_ids(msg.text, msg.input_ids)
+        sampling = self._sampling(msg.sampling_params)
+        self._check_length(ids, sampling.max_new_tokens)
+        if not -1 <= msg.logprob_start_len < len(ids):
+            raise RequestError(
+                ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
+            )
+        if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
+            )
+        job = GenerateJob(identity, msg, ids, sampling, self.tokenizer)
+        spec = ReqSpec(
+            "",
+            ids,
+            sampling.to_dict(),
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+        )
+        self._dispatch(job, [spec])
+
+    def _on_score(self, identity: bytes, msg: Score) -> None:
+        self._check_new(msg.rid)
+        if not msg.continuations:
+            raise RequestError(ERROR_INVALID_REQUEST, "continuations is empty")
+        prefix = self._encode(msg.prefix)
+        conts = [self._encode(c) for c in msg.continuations]
+        if not all(conts):
+            raise RequestError(ERROR_INVALID_REQUEST, "a continuation is empty")
+        specs = [prefill_spec(prefix + ids, len(prefix)) for ids in conts]
+        if msg.unconditional:
+            specs += [prefill_spec(ids, 0) for ids in conts]
+        for spec in specs:
+            self._check_length(spec.input_ids, 0)
+        self._dispatch(ScoreJob(identity, msg, conts), specs)
+
+    def _on_cache_prefix(self, identity: bytes, msg: CachePrefix) -> None:
+        self._check_new(msg.rid)
+        ids = self._prompt_ids(msg.text, None)
+        self._check_length(ids, 0)
+        self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        job = self.jobs.get(msg.target_rid)
+        if job is not None and not isinstance(job, FlushJob):
+            self._abort(job, "aborted by the client")
+        self._send(identity, Result(msg.rid, {"aborted": job is not None}))
+
+    def _on_flush(self, identity: bytes, msg: FlushCache) -> None:
+        self._check_new(msg.rid)
+        job = FlushJob(identity, msg.rid)
+        self._register(job)
+        self._put(Flush(job.internal[0]), job)
+
+    def _on_model_info(self, identity: bytes, msg: ModelInfo) -> None:
+        info = {
+            **self.model_info,
+            "max_new_tokens_limit": self.config.max_new_tokens_limit,
+            "max_message_bytes": self.config.max_message_bytes,
+            "protocol_version": PROTOCOL_VERSION,
+        }
+        self._send(identity, Result(msg.rid, info))
+
+    def _on_stats(self, identity: bytes, msg: Stats) -> None:
+        server = {
+            **self.counters,
+            "status": self.status,
+            "requests_in_flight": len(self.jobs),
+            "clients_waiting": len(self.last_seen),
+            "scheduler_restarts": self.restarts,
+            "uptime_s": time.monotonic() - self.started,
+        }
+        data = {**self.scheduler_stats, "idle_check": self.idle_check, "server": server}
+        self._send(identity, Result(msg.rid, data))
+
+    def _on_health(self, identity: bytes, msg: Health) -> None:
+        data = {
+            "ok": self.status == "ok",
+            "status": self.status,
+            "scheduler_pid": self.proc.pid if self.proc is not None else None,
+            "scheduler_restarts": self.restarts,
+            "last_error": self.last_error,
+            "requests_in_flight": len(self.jobs),
+        }
+        self._send(identity, Result(msg.rid, data))
+
+    # ---- validation -----------------------------------------------------------------------
+
+    def _check_new(self, rid: str) -> None:
+        if self.status != "ok":
+            reason = self.last_error or "the scheduler is not ready"
+            raise RequestError(ERROR_UNAVAILABLE, f"{reason} (status: {self.status})")
+        if not rid or len(rid) > MAX_RID_LEN:
+            raise RequestError(ERROR_INVALID_REQUEST, f"rid must have 1 to {MAX_RID_LEN} chars")
+        if rid in self.jobs:
+            raise RequestError(ERROR_DUPLICATE_RID, f"request {rid!r} is already in flight")
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of `text`; text that cannot fit the context is refused untokenized (a
+        huge text would stall this loop in the tokenizer)."""
+        if len(text) > MAX_CHARS_PER_TOKEN * self.model_info["context_length"]:
+            raise RequestError(ERROR_INVALID_REQUEST, f"text of {len(text)} chars is too long")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        if (text is None) == (input_ids is None):
+            raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
+        ids = self._encode(text) if text is not None else input_ids
+        if not ids:
+            raise RequestError(ERROR_INVALID_REQUEST, "the prompt is empty")
+        self._check_length(ids, 0)
+        vocab = self.model_info["vocab_size"]
+        if not all(0 <= t < vocab for t in ids):
+            raise RequestError(ERROR_INVALID_REQUEST, f"input_ids must lie in [0, {vocab})")
+        return ids
+
+    def _sampling(self, params: dict[str, Any]) -> SamplingParams:
+        try:
+            sampling = SamplingParams.from_dict(params)
+        except (ValueError, TypeError) as e:
+            raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
+        if sampling.n != 1:
+            raise RequestError(ERROR_INVALID_REQUEST, "n must be 1 here; send n requests")
+        return sampling
+
+    def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
+        context = self.model_info["context_length"]
+        if len(ids) >= context:
+            raise RequestError(
+                ERROR_INVALID_REQUEST,
+                f"the prompt has {len(ids)} tokens; the context length is {context}",
+            )
+        if max_new_tokens > self.config.max_new_tokens_limit:
+            raise RequestError(
+                ERROR_INVALID_REQUEST,
+                f"max_new_tokens={max_new_tokens} exceeds the limit "
+                f"{self.config.max_new_tokens_limit}",
+            )
+
+    # ---- jobs -----------------------------------------------------------------------------
+
+    def _register(self, job: Job, count: int = 1) -> None:
+        for _ in range(count):
+            self.next_id += 1
+            job.internal.append(f"s{self.next_id}")
+        self.jobs[job.rid] = job
+        for rid in job.internal:
+            self.by_internal[rid] = job
+
+    def _dispatch(self, job: Job, specs: list[ReqSpec]) -> None:
+        self._register(job, len(specs))
+        specs = [dataclasses.replace(s, rid=r) for s, r in zip(specs, job.internal)]
+        self._put(AddRequests(specs), job)
+
+    def _put(self, msg: Any, job: Job) -> None:
+        try:
+            self.to_scheduler.put(msg)
+        except TransportError as e:
+            self._forget(job)
+            raise RequestError(ERROR_UNAVAILABLE, "the scheduler is not connected") from e
+
+    def _on_update(self, update: Any) -> None:
+        job = self.by_internal.get(update.rid)
+        if job is None:
+            self.counters["stale_updates"] += 1  # its job already ended (scheduler restart)
+            return
+        for reply in job.on_update(update):
+            if reply.TAG == "chunk":
+                self._send(job.identity, reply, job)
+            else:
+                self._end(job, reply)
+
+    def _abort(self, job: Job, message: str) -> None:
+        job.abort_requested = True
+        live = [rid for rid in job.internal if rid in self.by_internal]
+        if live:
+            try:
+                self.to_scheduler.put(AbortRequests(live, message))
+            except TransportError:
+                log.warning("abort of %s not delivered: the scheduler is gone", job.rid)
+
+    def _end(self, job: Job, reply: Any) -> None:
+        """Send the one final reply of `job` and forget it."""
+        self._forget(job)
+        self.counters["errors" if reply.TAG == "error" else "results"] += 1
+        self._send(job.identity, reply, job)
+
+    def _forget(self, job: Job) -> None:
+        self.jobs.pop(job.rid, None)
+        for rid in job.internal:
+            self.by_internal.pop(rid, None)
+
+    def _send(self, identity: bytes, reply: Any, job: Job | None = None) -> None:
+        if job is not None and job.disconnected:
+            return
+        assert self.router is not None
+        try:
+            self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("reply to %s dropped: its queue is full", identity.hex()[:8])
+
+    # ---- housekeeping ---------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        self._check_scheduler()
+        self._check_clients()
+        self._log_load()
+
+    def _check_clients(self) -> None:
+        """Abort the requests of clients silent for CLIENT_TIMEOUT_S (crashed, killed)."""
+        now = time.monotonic()
+        if now - self.last_client_check < CLIENT_CHECK_INTERVAL_S:
+            return
+        self.last_client_check = now
+        waiting = {job.identity for job in self.jobs.values()}
+        for identity in list(self.last_seen):
+            if identity not in waiting:
+                del self.last_seen[identity]
+            elif now - self.last_seen[identity] > CLIENT_TIMEOUT_S:
+                del self.last_seen[identity]
+                self._drop_client(identity)
+
+    def _drop_client(self, identity: bytes) -> None:
+        mine = [job for job in self.jobs.values() if job.identity == identity]
+        log.warning(
+            "client %s went silent; aborting its %d requests", identity.hex()[:8], len(mine)
+        )
+        self.counters["clients_timed_out"] += 1
+        for job in mine:
+            job.disconnected = True
+            if isinstance(job, FlushJob):
+                self._forget(job)
+            else:
+                self._abort(job, "client disconnected")
+
+    def _log_load(self) -> None:
+        now = time.monotonic()
+        since, decoded_before = self.last_log
+        if now - since < self.config.log_interval_s:
+            return
+        stats = self.scheduler_stats
+        decoded = stats.get("decode_tokens", 0)
+        self.last_log = (now, decoded)
+        if not self.jobs and not stats.get("running_requests"):
+            return
+        total = stats.get("total_slots", 0) or 1
+        used = total - stats.get("free_slots", total)
+        log.info(
+            "running=%s waiting=%s in_flight=%d kv_used=%d/%d (%.0f%%, cache included) "
+            "hit=%.0f%% gen=%.1f tok/s",
+            stats.get("running_requests"),
+            stats.get("waiting_requests"),
+            len(self.jobs),
+            used,
+            total,
+            100 * used / total,
+            100 * stats.get("cache_hit_rate", 0.0),
+            (decoded - decoded_before) / (now - since),
+        )
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> int:
+    """Run a server until SIGINT/SIGTERM; print the ready line on stdout. Returns an exit code."""
+    try:
+        server = Server(config, log_level)
+    except ServerStartError as e:
+        log.error("%s", e)
+        return 1
+    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGINT, server.request_stop)
+    try:
+        address = server.start()
+        print(f"radixflow ready on {address}", flush=True)
+        server.serve()
+        log.info("shutting down: %d requests in flight", len(server.jobs))
+    except ServerStartError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        server.close()
+    return 0
+
+
+# ---- the scheduler process ----------------------------------------------------------------
+
+
+class SchedulerLoop:
+    """The scheduler process's one loop: drain messages (blocking only when idle), step, send
+    updates (stream requests every step, others when finished) and stats."""
+
+    def __init__(
+        self, scheduler: Any, inbox: PullQueue[Any], outbox: PushQueue[Any], parent_pid: int
+    ) -> None:
+        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
+        self.parent_pid = parent_pid
+        self.live: dict[str, Req] = {}
+        self.sent: dict[str, int] = {}  # output ids already sent, by rid
+        self.touched: list[Req] = []
+        self.failed: list[ReqUpdate] = []
+        self.dirty = True
+        self.last_stats = 0.0
+
+    def run(self) -> bool:
+        """Until a Shutdown message (returns False), or the server process is gone (True)."""
+        while os.getppid() == self.parent_pid:
+            messages = self.inbox.drain(0 if self.scheduler.has_work else IDLE_WAIT_MS)
+            if any(isinstance(m, Shutdown) for m in messages):
+                return False
+            for msg in messages:
+                self._handle(msg)
+            if self.scheduler.has_work:
+                self.touched += self.scheduler.step()
+                self.dirty = True
+            self._send_updates()
+            self._send_stats()
+        log.error("the server process is gone; the scheduler exits")
+        return True
+
+    def _handle(self, msg: Any) -> None:
+        self.dirty = True
+        if isinstance(msg, AddRequests):
+            for spec in msg.reqs:
+                self._add(spec)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.rids:
+                req = self.scheduler.abort(rid, msg.message)
+                if req is not None:
+                    self.touched.append(req)
+        elif isinstance(msg, Flush):
+            self.outbox.put(FlushDone(msg.rid, self.scheduler.tree.flush()))
+
+    def _add(self, spec: ReqSpec) -> None:
+        try:
+            sampling = SamplingParams.from_dict(spec.sampling_params)
+        except ValueError as e:
+            reason = {"type": "error", "message": str(e)}
+            self.failed.append(ReqUpdate(spec.rid, [], finished=True, finish_reason=reason))
+            return
+        req = Req(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            sampling=sampling,
+            return_logprob=spec.return_logprob,
+            logprob_start_len=spec.logprob_start_len,
+            top_logprobs_num=spec.top_logprobs_num,
+            stream=spec.stream,
+        )
+        self.live[req.rid] = req
+        self.scheduler.add_request(req)
+        if req.finished:  # refused at once (too long for the pool, no grammar backend)
+            self.touched.append(req)
+
+    def _send_updates(self) -> None:
+        self.touched += [req for req in self.live.values() if req.finished]  # none is missed
+        updates, self.failed = self.failed, []
+        for req in self.touched:
+            update = self._update(req) if req.rid in self.live else None
+            if update is not None:
+                updates.append(update)
+        self.touched = []
+        if updates:
+            self.outbox.put(RequestUpdates(updates))
+
+    def _update(self, req: Req) -> ReqUpdate | None:
+        sent = self.sent.get(req.rid, 0)
+        if not req.finished and (not req.stream or len(req.output_ids) == sent):
+            return None
+        new = {
+            "new_ids": req.output_ids[sent:],
+            "new_logprobs": req.output_logprobs[sent:],
+            "new_top_logprobs": req.output_top_logprobs[sent:],
+        }
+        if not req.finished:
+            self.sent[req.rid] = len(req.output_ids)
+            return ReqUpdate(req.rid, **new, meta_info=_progress_meta(req))
+        del self.live[req.rid]
+        self.sent.pop(req.rid, None)
+        return ReqUpdate(
+            req.rid,
+            **new,
+            meta_info=req.meta_info(),
+            finished=True,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            input_logprobs=req.input_logprobs,
+            input_top_logprobs=req.input_top_logprobs,
+        )
+
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        if not self.scheduler.has_work:
+            if self.dirty:
+                self.outbox.put(SchedulerStats(self.scheduler.stats(), self._idle_check()))
+                self.dirty, self.last_stats = False, now
+        elif now - self.last_stats >= STATS_INTERVAL_S:
+            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
+            self.last_stats = now
+
+    def _idle_check(self) -> str:
+        """The leak check at idle: every slot is free or in the tree, no lock is held."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            log.error("idle check failed: %s", e)
+            return f"failed: {e}"
+        return "ok"
+
+
+def _progress_meta(req: Req) -> dict[str, Any]:
+    """The counts of a running request (cheap, unlike the final `meta_info()`)."""
+    return {
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": max(req.cached_tokens, 0),
+        "finish_reason": None,
+    }
+
+
+def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int) -> None:
+    """The scheduler process: load the model, say ready, loop until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server decides
+    from radixflow.runtime.engine import build_scheduler
+
+    ctx = zmq.Context()
+    inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
+    outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
+    bundle = build_scheduler(config)
+    outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
+    try:
+        if SchedulerLoop(bundle.scheduler, inbox, outbox, parent_pid).run():
+            remove_ipc_dir(addresses)  # nobody else will
+    finally:
+        if bundle.scheduler.grammars is not None:
+            bundle.scheduler.grammars.shutdown()
+        inbox.close()
+        outbox.close()
+        ctx.term()
