@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     from radixflow.runtime import server
 
     if args.command == "scheduler":
+        from radixflow.runtime.engine import run_scheduler
+        from radixflow.runtime.transport import IpcAddresses
+
         config = config_from_kwargs(**json.loads(args.config_json))
-        addresses = server.IpcAddresses(args.ipc_dir)
-        server.run_scheduler(config, addresses, args.parent_pid)
+        run_scheduler(config, IpcAddresses(args.ipc_dir), args.parent_pid)
         return 0
     try:
         config = config_from_args(args)

@@ -45,7 +45,6 @@ class ServerConfig:
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
     jump_forward: bool = _knob(False, "append forced grammar continuations without sampling")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
-    request_timeout_s: float = _knob(0.0, "client-side default timeout; 0 = none")
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,11 +20,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.loader import resolve_model_dir
+from radixflow.runtime.messages import (
+    TO_SCHEDULER,
+    AbortRequests,
+    AddRequests,
+    Flush,
+    FlushDone,
+    ReqSpec,
+    RequestUpdates,
+    ReqUpdate,
+    SchedulerReady,
+    SchedulerStats,
+    Shutdown,
+)
 from radixflow.runtime.model_runner import ModelRunner, load_model, pick_device, pick_dtype
 from radixflow.runtime.models.llama import LlamaModel
 from radixflow.runtime.request import Req
@@ -29,10 +46,11 @@ from radixflow.runtime.sampling import SamplingParams
 from radixflow.runtime.scheduler import Scheduler
 from radixflow.runtime.tokenizer import (
     IncrementalDetokenizer,
+    build_output,
     eos_token_ids,
     load_tokenizer,
-    trim_at_stop,
 )
+from radixflow.runtime.transport import IpcAddresses, PullQueue, PushQueue, remove_ipc_dir
 
 
 @dataclass
@@ -109,7 +127,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
 def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
-    from radixflow.runtime.constraints import GrammarBackend
+    from radixflow.runtime.constraints import GrammarBackend  # noqa: PLC0415 (heavy)
 
     return GrammarBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
 
@@ -271,25 +289,179 @@ class Engine:
 
 def finished_output(req: Req, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The result dict of a finished request: text trimmed at its stop, ids, meta data."""
-    ids = req.output_ids
-    reason = req.finish_reason or {}
-    if reason.get("type") == "stop" and isinstance(reason.get("matched"), int):
-        ids = ids[:-1]  # the stop token itself is not part of the text
-    text = tokenizer.decode(ids, skip_special_tokens=req.sampling.skip_special_tokens)
-    if req.sampling.stop:
-        text, _ = trim_at_stop(text, req.sampling.stop)
-    meta = req.meta_info()
-    if req.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, ids)]
-        if req.logprob_start_len >= 0:
-            start = req.logprob_start_len
-            meta["input_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(req.input_logprobs, req.input_ids[start:])
-            ]
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = req.output_top_logprobs
-            meta["input_top_logprobs"] = req.input_top_logprobs
-    out = {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    out = build_output(
+        tokenizer,
+        req.output_ids,
+        req.input_ids,
+        req.sampling,
+        req.finish_reason,
+        req.meta_info(),
+        return_logprob=req.return_logprob,
+        logprob_start_len=req.logprob_start_len,
+        top_logprobs_num=req.top_logprobs_num,
+        output_logprobs=req.output_logprobs,
+        input_logprobs=req.input_logprobs,
+        output_top_logprobs=req.output_top_logprobs,
+        input_top_logprobs=req.input_top_logprobs,
+    )
     if req.error:
         out["error"] = req.error
     return out
+
+
+# ---- the server's scheduler process ----------------------------------------------------
+
+log = logging.getLogger("radixflow.scheduler")
+IDLE_WAIT_MS = 500  # the idle scheduler wakes this often to see whether its server lives
+STATS_INTERVAL_S = 0.25  # stats from a busy scheduler at most this often
+
+
+class SchedulerLoop:
+    """The scheduler process's one loop: drain messages (blocking only when idle), step, send
+    updates (stream requests every step, others when finished) and stats."""
+
+    def __init__(
+        self, scheduler: Any, inbox: PullQueue[Any], outbox: PushQueue[Any], parent_pid: int
+    ) -> None:
+        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
+        self.parent_pid = parent_pid
+        self.live: dict[str, Req] = {}
+        self.sent: dict[str, int] = {}  # output ids already sent, by rid
+        self.touched: list[Req] = []
+        self.failed: list[ReqUpdate] = []
+        self.dirty = True
+        self.last_stats = 0.0
+
+    def run(self) -> bool:
+        """Until a Shutdown message (returns False), or the server process is gone (True)."""
+        while os.getppid() == self.parent_pid:
+            messages = self.inbox.drain(0 if self.scheduler.has_work else IDLE_WAIT_MS)
+            if any(isinstance(m, Shutdown) for m in messages):
+                return False
+            for msg in messages:
+                self._handle(msg)
+            if self.scheduler.has_work:
+                self.touched += self.scheduler.step()
+                self.dirty = True
+            self._send_updates()
+            self._send_stats()
+        log.error("the server process is gone; the scheduler exits")
+        return True
+
+    def _handle(self, msg: Any) -> None:
+        self.dirty = True
+        if isinstance(msg, AddRequests):
+            for spec in msg.reqs:
+                self._add(spec)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.rids:
+                req = self.scheduler.abort(rid, msg.message)
+                if req is not None:
+                    self.touched.append(req)
+        elif isinstance(msg, Flush):
+            self.outbox.put(FlushDone(msg.rid, self.scheduler.tree.flush()))
+
+    def _add(self, spec: ReqSpec) -> None:
+        try:
+            sampling = SamplingParams.from_dict(spec.sampling_params)
+        except ValueError as e:
+            reason = {"type": "error", "message": str(e)}
+            self.failed.append(ReqUpdate(spec.rid, [], finished=True, finish_reason=reason))
+            return
+        req = Req(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            sampling=sampling,
+            return_logprob=spec.return_logprob,
+            logprob_start_len=spec.logprob_start_len,
+            top_logprobs_num=spec.top_logprobs_num,
+            stream=spec.stream,
+        )
+        self.live[req.rid] = req
+        self.scheduler.add_request(req)
+        if req.finished:  # refused at once (too long for the pool, no grammar backend)
+            self.touched.append(req)
+
+    def _send_updates(self) -> None:
+        self.touched += [req for req in self.live.values() if req.finished]  # none is missed
+        updates, self.failed = self.failed, []
+        for req in self.touched:
+            update = self._update(req) if req.rid in self.live else None
+            if update is not None:
+                updates.append(update)
+        self.touched = []
+        if updates:
+            self.outbox.put(RequestUpdates(updates))
+
+    def _update(self, req: Req) -> ReqUpdate | None:
+        sent = self.sent.get(req.rid, 0)
+        if not req.finished and (not req.stream or len(req.output_ids) == sent):
+            return None
+        new = {
+            "new_ids": req.output_ids[sent:],
+            "new_logprobs": req.output_logprobs[sent:],
+            "new_top_logprobs": req.output_top_logprobs[sent:],
+        }
+        if not req.finished:
+            self.sent[req.rid] = len(req.output_ids)
+            return ReqUpdate(req.rid, **new, meta_info=_progress_meta(req))
+        del self.live[req.rid]
+        self.sent.pop(req.rid, None)
+        return ReqUpdate(
+            req.rid,
+            **new,
+            meta_info=req.meta_info(),
+            finished=True,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            input_logprobs=req.input_logprobs,
+            input_top_logprobs=req.input_top_logprobs,
+        )
+
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        if not self.scheduler.has_work:
+            if self.dirty:
+                self.outbox.put(SchedulerStats(self.scheduler.stats(), self._idle_check()))
+                self.dirty, self.last_stats = False, now
+        elif now - self.last_stats >= STATS_INTERVAL_S:
+            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
+            self.last_stats = now
+
+    def _idle_check(self) -> str:
+        """The leak check at idle: every slot is free or in the tree, no lock is held."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            log.error("idle check failed: %s", e)
+            return f"failed: {e}"
+        return "ok"
+
+
+def _progress_meta(req: Req) -> dict[str, Any]:
+    """The counts of a running request (cheap, unlike the final `meta_info()`)."""
+    return {
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": max(req.cached_tokens, 0),
+        "finish_reason": None,
+    }
+
+
+def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int) -> None:
+    """The scheduler process: load the model, say ready, loop until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server decides
+    ctx = zmq.Context()
+    inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
+    outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
+    bundle = build_scheduler(config)
+    outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
+    try:
+        if SchedulerLoop(bundle.scheduler, inbox, outbox, parent_pid).run():
+            remove_ipc_dir(addresses)  # nobody else will
+    finally:
+        if bundle.scheduler.grammars is not None:
+            bundle.scheduler.grammars.shutdown()
+        inbox.close()
+        outbox.close()
+        ctx.term()

@@ -79,3 +79,41 @@ def trim_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
     if best is None:
         return text, None
     return text[: best[0]], best[1]
+
+
+def build_output(
+    tokenizer: PreTrainedTokenizerBase,
+    output_ids: list[int],
+    input_ids: list[int],
+    sampling: Any,
+    finish_reason: dict[str, Any] | None,
+    meta: dict[str, Any],
+    *,
+    return_logprob: bool = False,
+    logprob_start_len: int = -1,
+    top_logprobs_num: int = 0,
+    output_logprobs: list[float] = (),
+    input_logprobs: list[float | None] = (),
+    output_top_logprobs: list[Any] = (),
+    input_top_logprobs: list[Any] = (),
+) -> dict[str, Any]:
+    """A finished request's {text, output_ids, meta_info}, the same offline and served: the
+    matched stop token is left out of the text, which is cut at the first stop string."""
+    ids = output_ids
+    reason = finish_reason or {}
+    if reason.get("type") == "stop" and type(reason.get("matched")) is int:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens)
+    if sampling.stop:
+        text, _ = trim_at_stop(text, sampling.stop)
+    meta = dict(meta)
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(output_logprobs, ids)]
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
+        if logprob_start_len >= 0:
+            pairs = zip(input_logprobs, input_ids[logprob_start_len:])
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
+        if top_logprobs_num:
+            meta["output_top_logprobs"] = list(output_top_logprobs)
+            meta["input_top_logprobs"] = list(input_top_logprobs)
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
