@@ -5,6 +5,7 @@
     python programs/bench_engine.py load       # cold (fresh cache dir) and cached load
     python programs/bench_engine.py radix      # shared 600-token prefix, cache on vs off
     python programs/bench_engine.py chunked    # ITL p99 while long prompts arrive
+    python programs/bench_engine.py constrained  # 16 JSON-schema requests vs unconstrained
 
 Greedy, fixed token counts (ignore_eos), same prompts for every system.
 """
@@ -168,13 +169,63 @@ def bench_chunked(engine: Engine) -> None:
         )
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "maxDigits": 3},
+        "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "maxLength": 20},
+                "zip": {"type": "integer", "maxDigits": 5},
+            },
+            "required": ["street", "zip"],
+        },
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "tags", "address", "active"],
+}
+
+
+def bench_constrained(engine: Engine) -> None:
+    """16 JSON-schema requests vs the same 16 unconstrained, equal token counts; plus the
+    cold and cached compile time of the schema."""
+    import json
+
+    grammars = engine.scheduler.grammars
+    key = ("json", json.dumps(SCHEMA))
+    cold, _ = timed(lambda: grammars.get(key))
+    cached, _ = timed(lambda: grammars.get(key))
+    print(f"schema compile: cold {cold * 1000:.0f} ms, cached {cached * 1e6:.0f} us")
+    prompts = [chat(f"Describe person {i} as JSON.") for i in range(16)]
+    constrained = {"max_new_tokens": 128, "temperature": 0, "json_schema": SCHEMA}
+    wall_c, outs = timed(lambda: engine.generate(prompts, constrained))
+    tokens = [o["meta_info"]["completion_tokens"] for o in outs]
+    plain = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in tokens]
+    wall_p, _ = timed(lambda: engine.generate(prompts, plain))
+    total = sum(tokens)
+    print(
+        f"16 requests, {total} tokens: JSON schema {total / wall_c:.1f} tok/s, unconstrained "
+        f"{total / wall_p:.1f} tok/s, ratio {wall_p / wall_c:.2f}"
+    )
+
+
 def main(argv: list[str]) -> None:
-    parts = argv or ["load", "decode", "radix", "chunked"]
+    parts = argv or ["load", "decode", "radix", "chunked", "constrained"]
     print(f"torch threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if "load" in parts:
         bench_load()
     engine = Engine(max_total_tokens=65536) if set(parts) - {"load"} else None
-    for name, fn in (("decode", bench_decode), ("radix", bench_radix), ("chunked", bench_chunked)):
+    benches = (
+        ("decode", bench_decode),
+        ("radix", bench_radix),
+        ("chunked", bench_chunked),
+        ("constrained", bench_constrained),
+    )
+    for name, fn in benches:
         if name in parts:
             fn(engine)
 
