@@ -43,7 +43,6 @@ class ServerConfig:
     num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
-    jump_forward: bool = _knob(False, "append forced grammar continuations without sampling")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
