@@ -216,13 +216,13 @@ def test_choices_and_length_cutoff(engine):
 def test_grammar_survives_preemption(engine, make_engine):
     """Long forced outputs in a tiny pool: requests are preempted and recomputed mid-grammar;
     the guide state survives and the outputs equal an unpressured run."""
-    prompts = [chat(f"Write a long number, number {i}.") for i in range(5)]
-    params = {"max_new_tokens": 70, "temperature": 0, "regex": r"[0-9]{60}"}
-    eng = make_engine(max_total_tokens=200, schedule_conservativeness=0.02)
+    prompts = [chat(f"Write a long number, number {i}.") for i in range(3)]
+    params = {"max_new_tokens": 40, "temperature": 0, "regex": r"[0-9]{32}"}
+    eng = make_engine(max_total_tokens=110, schedule_conservativeness=0.02)
     outs = eng.generate(prompts, params)
     assert eng.stats()["preemptions"] > 0
     expected = engine.generate(prompts, params)
     for out, ref in zip(outs, expected):
-        assert re.fullmatch(r"[0-9]{60}", out["text"]), out["text"]
+        assert re.fullmatch(r"[0-9]{32}", out["text"]), out["text"]
         assert out["output_ids"] == ref["output_ids"]
     eng.check_idle()
