@@ -397,7 +397,7 @@ def _unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:
 
 def _from_map(cls: type[M], body: dict[str, Any], where: str, rid: str = "") -> M:
     spec = _field_spec(cls)
-    unknown = sorted(set(body) - set(spec))
+    unknown = sorted(map(repr, set(body) - set(spec)))  # keys may be bytes, ints, ...
     if unknown:
         raise ProtocolError(ERROR_BAD_MESSAGE, f"{where}: unknown field(s) {unknown}", rid)
     values = {}
