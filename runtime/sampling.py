@@ -63,6 +63,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0),
             ("stop", all(isinstance(s, str) and s for s in self.stop)),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)),
+            ("choices", self.choices is None or (len(self.choices) > 0 and all(self.choices))),
             ("seed", self.seed is None or 0 <= self.seed < 2**63),
         ]
         for name, ok in checks:
