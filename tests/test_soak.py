@@ -9,6 +9,11 @@ Every request that was not aborted must end with a correct reply (greedy ones eq
 offline Engine's), preemptions must happen, and at the end the idle leak check passes, the
 tree holds only evictable tokens and the server's RSS (server + scheduler) is within 10% of
 where it was after a warm-up.
+
+The load comes in bursts of WAVE requests with an idle scheduler between them: after its first
+preemption the scheduler turns cautious (new_token_ratio near 1, decaying over thousands of
+steps, reset only at idle), so one unbroken run preempts about once; each burst starts
+optimistic again, overcommits the pool and preempts. The leak check runs after every burst.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ ABORT_SHARE = 0.2
 POOL = 600
 CALL_TIMEOUT_S = 900.0  # a request may wait behind many others on 2 shared cores
 RSS_GROWTH_LIMIT = 0.10
+WAVE = 6 * SOAK_THREADS  # requests per burst; the scheduler idles between bursts
 
 PREFIXES = [
     "You are a careful assistant. Answer in one short sentence.\n",
@@ -282,10 +288,11 @@ def test_soak_under_kv_pressure_with_aborts(runtime: Runtime, engine: Any) -> No
     before = wait_idle(endpoint, timeout=120)
     rss_before = server_rss(runtime)
 
-    start = time.monotonic()
-    outcomes = run_soak(runtime.address, specs, SOAK_THREADS)
+    start, outcomes = time.monotonic(), []
+    for first in range(0, len(specs), WAVE):
+        outcomes += run_soak(runtime.address, specs[first : first + WAVE], SOAK_THREADS)
+        after = wait_idle(endpoint, timeout=120)  # closed clients are timed out meanwhile
     elapsed = time.monotonic() - start
-    after = wait_idle(endpoint, timeout=120)  # closed clients are timed out meanwhile
     rss_after = server_rss(runtime)
 
     kinds = Counter(o.kind for o in outcomes)
@@ -299,7 +306,8 @@ def test_soak_under_kv_pressure_with_aborts(runtime: Runtime, engine: Any) -> No
     leaked = after["total_slots"] - after["free_slots"] - after["evictable_tokens"]
     growth = rss_after / rss_before - 1
     print(
-        f"\nsoak: {len(specs)} requests from {SOAK_THREADS} threads in {elapsed:.0f}s: "
+        f"\nsoak: {len(specs)} requests from {SOAK_THREADS} threads in bursts of {WAVE}, "
+        f"{elapsed:.0f}s: "
         f"{kinds['completed']} completed, {kinds['aborted']} aborted "
         f"({sum(1 for s in specs if s.abort)} planned), {kinds['failed']} failed; "
         f"{preemptions} preemptions ({preempted} requests preempted); slots leaked {leaked}; "
