@@ -99,8 +99,8 @@ def extend_attention(
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
     layout = layout or make_layout(qo_indptr, kv_indptr, kv_indices)
-    keys = torch.cat([k_buffer[layout.kv_index], k_extend[layout.q_index]], dim=1).float()
-    values = torch.cat([v_buffer[layout.kv_index], v_extend[layout.q_index]], dim=1).float()
+    keys = torch.cat([_gather(k_buffer, layout.kv_index), _gather(k_extend, layout.q_index)], 2)
+    values = torch.cat([_gather(v_buffer, layout.kv_index), _gather(v_extend, layout.q_index)], 2)
     queries = q[layout.q_index].float()  # (B, Lq, H, D)
     out = _masked_attention(queries, keys, values, layout.mask, sm_scale)  # (B, Lq, H, D)
     return out[layout.batch, layout.rows].to(q.dtype)
@@ -129,7 +129,7 @@ def decode_attention(
         mask = (cols[None, :] < lens[:, None])[:, None, :]
     else:
         kv_index, mask = layout.kv_index, layout.mask
-    keys, values = k_buffer[kv_index].float(), v_buffer[kv_index].float()  # (B, Lk, Hkv, D)
+    keys, values = _gather(k_buffer, kv_index), _gather(v_buffer, kv_index)
     out = _masked_attention(q.float()[:, None], keys, values, mask, sm_scale)
     return out[:, 0].to(q.dtype)
 
@@ -143,6 +143,12 @@ def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Layout:
     return Layout(kv_index, empty, mask, empty, empty)
 
 
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows (N, Hkv, D) at index (B, L) -> contiguous fp32 (Hkv, B, L, D): head-major, so that
+    every (head, request) pair is one matrix of a batched matmul without another copy."""
+    return rows.permute(1, 0, 2)[:, index].float()
+
+
 def _masked_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -150,16 +156,19 @@ def _masked_attention(
     mask: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
-    """queries (B, Lq, H, D), keys/values (B, Lk, Hkv, D), mask (B, Lq, Lk) -> (B, Lq, H, D)."""
+    """queries (B, Lq, H, D), keys/values (Hkv, B, Lk, D), mask (B, Lq, Lk) -> (B, Lq, H, D)."""
     batch_size, len_q, num_heads, head_dim = queries.shape
-    num_kv_heads = keys.shape[2]
+    num_kv_heads, len_k = keys.shape[0], keys.shape[2]
     group = num_heads // num_kv_heads
-    # (B, Hkv, G, Lq, D) x (B, Hkv, Lk, D): the query heads of one KV head share its keys.
-    qg = queries.view(batch_size, len_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    kt = keys.permute(0, 2, 1, 3)[:, :, None]
-    vt = values.permute(0, 2, 1, 3)[:, :, None]
-    scores = torch.matmul(qg, kt.transpose(-1, -2)) * sm_scale  # (B, Hkv, G, Lq, Lk)
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    # The G query heads of one KV head and their Lq queries are the rows of one matmul against
+    # that head's keys: (Hkv, B, G*Lq, D) x (Hkv, B, D, Lk). (Broadcasting a G axis instead made
+    # torch copy the keys G times per call: decode attention cost 10x the linear layers.)
+    qg = queries.view(batch_size, len_q, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
+    qg = qg.reshape(num_kv_heads, batch_size, group * len_q, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * sm_scale  # (Hkv, B, G*Lq, Lk)
+    scores = scores.view(num_kv_heads, batch_size, group, len_q, len_k)
+    scores = scores.masked_fill(~mask[None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked padding rows -> 0
-    out = torch.matmul(probs, vt)  # (B, Hkv, G, Lq, D)
-    return out.permute(0, 3, 1, 2, 4).reshape(batch_size, len_q, num_heads, head_dim)
+    probs = probs.view(num_kv_heads, batch_size, group * len_q, len_k)
+    out = torch.matmul(probs, values).view(num_kv_heads, batch_size, group, len_q, head_dim)
+    return out.permute(1, 3, 0, 2, 4).reshape(batch_size, len_q, num_heads, head_dim)

@@ -43,6 +43,8 @@ class ServerConfig:
     num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
+    grammar_workers: int = _knob(2, "grammar compiler processes (a slow grammar holds only one)")
+    grammar_timeout_s: float = _knob(60.0, "a grammar compiling longer than this fails")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
@@ -53,6 +55,8 @@ class ServerConfig:
             (self.max_total_tokens >= 2 * self.page_size, "max_total_tokens too small"),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.grammar_workers >= 1, "grammar_workers must be >= 1"),
+            (self.grammar_timeout_s > 0, "grammar_timeout_s must be > 0"),
             (
                 self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
                 "chunked_prefill_size must be -1 or >= 1",

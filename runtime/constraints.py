@@ -1,7 +1,8 @@
 """Constrained decoding: regex / JSON-schema / choices grammars as token bitmasks (torch-free).
 
 `GrammarBackend` turns a `SamplingParams.grammar_key` into a compiled outlines-core `Index`
-(DFA over the tokenizer's vocabulary) in a worker thread and caches it (LRU, failures too).
+(DFA over the tokenizer's vocabulary) in a worker process (runtime/grammar_compiler.py, with a
+time limit) and caches it (LRU, failures too).
 Each request gets its own `Grammar`: a cursor in the shared index that writes the allowed-token
 bitmask of the current state into one int32 row of `ceil(vocab_size / 32)` words (bit
 `t % 32` of word `t // 32` is token `t`), and advances on every accepted token.
@@ -18,25 +19,26 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 
-GrammarKey = tuple[str, str]
+from radixflow.runtime.grammar_compiler import (  # noqa: F401 (re-exported)
+    CompilerPool,
+    GrammarError,
+    GrammarKey,
+    choices_regex,
+    json_schema_regex,
+    strip_anchors,
+)
 
 END_MARK = b"\x00"  # appended to every regex and spelled by no real token; see _Compiled
 SPACE_MARKER = "▁"  # SentencePiece's word-boundary marker, decoded to a space
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class GrammarError(ValueError):
-    """A grammar that does not compile (bad regex, bad JSON schema, bad choices list), or a token
-    the grammar forbids. The message names the problem."""
 
 
 def gpt2_unicode_to_byte() -> dict[str, int]:
@@ -214,13 +216,14 @@ class Grammar:
 
 
 class GrammarBackend:
-    """Compiles grammar keys in worker threads and hands out fresh per-request Grammars.
+    """Compiles grammar keys in worker processes and hands out fresh per-request Grammars.
 
     Keys are `("regex", pattern)`, `("json", schema JSON text)` or `("choices", JSON list of
     strings)`. Mutates: an LRU cache of `cache_size` compiled indexes or GrammarErrors (failures
     are cached so repeats fail fast) and the table of compilations in flight, both under a lock,
-    so any thread may call. Raises: `get` raises the key's GrammarError (TimeoutError past its
-    timeout); `poll` returns the GrammarError instead of raising it.
+    so any thread may call. A compilation past `timeout_s` fails (cached like any error).
+    Raises: `get` raises the key's GrammarError (TimeoutError past its own timeout); `poll`
+    returns the GrammarError instead of raising it.
     """
 
     def __init__(
@@ -229,8 +232,9 @@ class GrammarBackend:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         whitespace_pattern: str | None = None,
-        max_workers: int = 1,
+        max_workers: int = 2,
         cache_size: int = 256,
+        timeout_s: float = 60.0,
     ) -> None:
         assert eos_token_ids, "a grammar needs at least one EOS id"
         assert all(0 <= t < vocab_size for t in eos_token_ids), f"{eos_token_ids=} {vocab_size=}"
@@ -238,25 +242,24 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.words = -(-vocab_size // 32)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.whitespace_pattern = whitespace_pattern
         self.cache_size = cache_size
         token_ids = vocabulary_bytes(tokenizer, self.eos_token_ids, vocab_size)
         self.end_token = 32 * self.words  # just past the mask row: never written, never sampled
         token_ids[END_MARK] = [self.end_token]
-        self.vocabulary = Vocabulary(self.eos_token_ids[0], token_ids)
-        self._write_words = max(self.words, -(-len(self.vocabulary) // 32))
-        # Every byte but NUL, to check a user regex on its own before it is wrapped.
-        self._bytes_vocabulary = Vocabulary(256, {bytes([b]): [b] for b in range(1, 256)})
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        vocabulary_len = len(Vocabulary(self.eos_token_ids[0], token_ids))
+        self._write_words = max(self.words, -(-vocabulary_len // 32))
+        self._pool = CompilerPool(
+            token_ids, self.eos_token_ids[0], whitespace_pattern, max_workers, timeout_s
+        )
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarKey, _Compiled | GrammarError] = OrderedDict()
-        self._pending: dict[GrammarKey, Future[_Compiled | GrammarError]] = {}
+        self._pending: dict[GrammarKey, Future[Index | GrammarError]] = {}
 
     def submit(self, key: GrammarKey) -> None:
         """Start compiling `key` unless it is cached or already compiling."""
         with self._lock:
             if key not in self._cache and key not in self._pending:
-                self._pending[key] = self._executor.submit(self._compile, key)
+                self._pending[key] = self._pool.submit(key)
 
     def poll(self, key: GrammarKey) -> Grammar | GrammarError | None:
         """A fresh Grammar when `key` is compiled, its cached GrammarError if it failed, None
@@ -282,13 +285,13 @@ class GrammarBackend:
                 continue  # collected by another thread meanwhile
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                future.result(left)  # never raises a grammar problem: _compile returns it
+                future.result(left)  # never raises a grammar problem: it is the result
             except FutureTimeoutError as e:
                 raise TimeoutError(f"{key[0]} grammar not compiled within {timeout} s") from e
 
     def shutdown(self) -> None:
-        """Stop the workers; compilations not yet started are cancelled."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers; compilations in flight or queued fail."""
+        self._pool.shutdown()
 
     def _lookup(self, key: GrammarKey) -> _Compiled | GrammarError | None:
         future = self._pending.get(key)
@@ -296,81 +299,15 @@ class GrammarBackend:
             if not future.done():
                 return None
             del self._pending[key]
-            self._cache[key] = future.result()
+            result = future.result()
+            self._cache[key] = result if isinstance(result, GrammarError) else self._wrap(result)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         elif key not in self._cache:
-            self._pending[key] = self._executor.submit(self._compile, key)
+            self._pending[key] = self._pool.submit(key)
             return None
         self._cache.move_to_end(key)
         return self._cache[key]
 
-    def _compile(self, key: GrammarKey) -> _Compiled | GrammarError:
-        """Runs in a worker thread; returns (never raises) the grammar's problem."""
-        try:
-            regex = self._regex(key)
-            if key[0] == "regex":  # alone first: "a)(b" would pass once wrapped in "(?:...)"
-                Index(regex, self._bytes_vocabulary)
-            index = Index(f"(?:{regex})\\x00", self.vocabulary)
-        except GrammarError as e:
-            return e
-        except (ValueError, TypeError, RuntimeError) as e:  # outlines-core's build errors
-            return GrammarError(_index_error(key, e))
+    def _wrap(self, index: Index) -> _Compiled:
         return _Compiled(index, self.words, self.eos_token_ids, self.end_token, self._write_words)
-
-    def _regex(self, key: GrammarKey) -> str:
-        kind, text = key
-        if kind == "regex":
-            return strip_anchors(text)
-        if kind == "json":
-            return json_schema_regex(text, self.whitespace_pattern)
-        if kind == "choices":
-            return choices_regex(text)
-        raise GrammarError(f"unknown grammar kind {kind!r} (expected regex, json or choices)")
-
-
-def json_schema_regex(schema: str, whitespace_pattern: str | None = None) -> str:
-    """The regex of the JSON documents valid under `schema` (JSON text); GrammarError if bad."""
-    try:
-        json.loads(schema)
-    except json.JSONDecodeError as e:
-        raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
-    try:
-        return build_regex_from_schema(schema, whitespace_pattern)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid or unsupported JSON schema: {e}") from e
-
-
-def choices_regex(choices: str) -> str:
-    """An alternation of the literal strings in `choices` (a JSON list); GrammarError if bad."""
-    try:
-        options = json.loads(choices)
-    except json.JSONDecodeError as e:
-        raise GrammarError(f"invalid choices: not valid JSON ({e})") from e
-    if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
-        raise GrammarError(f"invalid choices: expected a non-empty list of strings, got {choices}")
-    return "(" + "|".join(re.escape(option) for option in options) + ")"
-
-
-def strip_anchors(pattern: str) -> str:
-    """Drop a leading `^`/`\\A` and a trailing `$`/`\\z`: the whole output is matched anyway,
-    and outlines-core rejects start anchors (end anchors would defeat the end mark)."""
-    for anchor in ("^", "\\A"):
-        pattern = pattern.removeprefix(anchor)
-    for anchor in ("$", "\\z"):
-        body = pattern.removesuffix(anchor)
-        escapes = len(body) - len(body.rstrip("\\"))  # an odd count escapes the anchor
-        if body != pattern and escapes % 2 == 0:
-            pattern = body
-    return pattern
-
-
-def _index_error(key: GrammarKey, error: Exception) -> str:
-    kind, text = key
-    if kind != "regex":
-        return f"{kind} grammar does not compile to an index: {error}"
-    try:
-        re.compile(text)
-    except re.error as e:
-        return f"invalid regex {text!r}: {error} ({e})"
-    return f"invalid regex {text!r}: {error}"

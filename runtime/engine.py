@@ -129,7 +129,14 @@ def _grammar_backend(
 ) -> Any:
     from radixflow.runtime.constraints import GrammarBackend  # noqa: PLC0415 (heavy)
 
-    return GrammarBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
+    return GrammarBackend(
+        tokenizer,
+        vocab_size,
+        eos,
+        config.grammar_whitespace or None,
+        max_workers=config.grammar_workers,
+        timeout_s=config.grammar_timeout_s,
+    )
 
 
 def normalize_prompts(

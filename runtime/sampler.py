@@ -73,8 +73,9 @@ def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     )[:, None]
     keep &= ranks < top_k
     top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
-    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # always keeps the first
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_p
     min_p = torch.tensor([p.min_p for p in params], device=probs.device)[:, None]
     keep &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep[:, 0] = True  # the likeliest token survives every filter (top_p may round to 0)
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

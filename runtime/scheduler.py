@@ -8,6 +8,7 @@ check stops, insert computed KV into the radix tree, release finished requests).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -26,6 +27,8 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
+
+log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -136,10 +139,14 @@ class Scheduler:
             if not self.has_work:
                 self.new_token_ratio = self.init_ratio
             return updated
-        plan, sample_reqs = self._plan(extends, decodes)
-        result = self.runner.forward(plan)
-        self.counters["forward_steps"] += 1
-        updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+        try:
+            plan, sample_reqs = self._plan(extends, decodes)
+            result = self.runner.forward(plan)
+            self.counters["forward_steps"] += 1
+            updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
+            log.exception("step %d failed; its requests get an error", self.step_count)
+            updated += self._fail_batch(extends + decodes, f"internal error in this step: {e!r}")
         if self.config.self_check:
             self.check_invariants()
         return updated
@@ -205,9 +212,12 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
 
     def _reserved_for_running(self) -> float:
-        return self.new_token_ratio * sum(
-            min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.running
-        )
+        return self.new_token_ratio * sum(self._still_needed(r) for r in self.running)
+
+    def _still_needed(self, req: Req) -> int:
+        """Tokens `req` may still generate: max_new_tokens, the context and a clip bound it."""
+        room = self.context_len - req.seq_len
+        return max(0, min(req.remaining_new_tokens(), room, CLIP_MAX_NEW_TOKENS))
 
     def _prefill_budget(self) -> int:
         size = self.config.chunked_prefill_size
@@ -242,7 +252,7 @@ class Scheduler:
                 continue  # a request admitted this step computes that prefix; reuse it next step
             self.tree.lock(node)
             extend_len = req.seq_len - len(prefix)
-            cost = extend_len + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+            cost = extend_len + self._still_needed(req)
             available = self.pool.num_free_slots + self.tree.evictable_size
             room = available - self._reserved_for_running() - admitted_cost
             alone = not self.running and not extends
@@ -580,15 +590,34 @@ class Scheduler:
         req.error = message
         self._finish(req, {"type": "error", "message": message})
 
+    def _fail_batch(self, batch: list[Req], message: str) -> list[Req]:
+        """Fail every unfinished request of a step that raised, wherever it sits now; their
+        KV goes back (nothing of this step enters the tree), so the pool stays consistent."""
+        failed = []
+        for req in batch:
+            if req.finished:
+                continue
+            for queue in (self.running, self.waiting):
+                if req in queue:
+                    queue.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            self._fail(req, message)
+            failed.append(req)
+        return failed
+
     def _fail_running(self, req: Req, message: str) -> Req:
         self.running.remove(req)
         self._fail(req, message)
         return req
 
     def _check_fits(self, req: Req) -> str | None:
-        need = len(req.input_ids) + req.sampling.max_new_tokens
+        """Why `req` can never run, or None. It never holds more than the context's slots."""
+        need = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_len)
         if len(req.input_ids) == 0:
             return "empty prompt"
+        if not all(t < self.vocab_size for t in req.sampling.stop_token_ids):
+            return f"stop_token_ids must lie in [0, {self.vocab_size})"
         if len(req.input_ids) >= self.context_len:
             return f"prompt has {len(req.input_ids)} tokens; the context holds {self.context_len}"
         if need > self.pool.capacity_pages * self.pool.page_size:

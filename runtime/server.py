@@ -595,6 +595,9 @@ class Server:
             raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
         if sampling.n != 1:
             raise RequestError(ERROR_INVALID_REQUEST, "n must be 1 here; send n requests")
+        vocab = self.model_info["vocab_size"]
+        if not all(t < vocab for t in sampling.stop_token_ids):
+            raise RequestError(ERROR_INVALID_REQUEST, f"stop_token_ids must lie in [0, {vocab})")
         return sampling
 
     def _check_length(self, ids: list[int], max_new_tokens: int) -> None:

