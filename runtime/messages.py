@@ -374,7 +374,8 @@ def decode_with_key(
 
 def _unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:
     if len(frame) > max_bytes:
-        raise ProtocolError(ERROR_TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}")
+        message = f"frame of {len(frame)} bytes exceeds {max_bytes}"
+        raise ProtocolError(ERROR_TOO_LARGE, message, peek_rid(frame))
     try:
         body = msgpack.unpackb(
             frame,
@@ -393,6 +394,31 @@ def _unpack(frame: bytes, max_bytes: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ProtocolError(ERROR_BAD_MESSAGE, f"frame is a {type(body).__name__}, not a map")
     return body
+
+
+def peek_rid(frame: bytes) -> str:
+    """The top-level "rid" of a msgpack map frame, found by skipping every other value without
+    building it (keys and the rid are read under a 1 KiB limit), or "" if there is none.
+    Lets a `too_large` refusal reach the call that sent the oversized frame."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=max(len(frame), 1),
+        max_str_len=1024,
+        max_bin_len=1024,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+    )
+    try:
+        unpacker.feed(frame)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "rid":
+                rid = unpacker.unpack()
+                return rid if isinstance(rid, str) else ""
+            unpacker.skip()
+    except (ValueError, TypeError, msgpack.OutOfData, msgpack.StackError):
+        pass
+    return ""
 
 
 def _from_map(cls: type[M], body: dict[str, Any], where: str, rid: str = "") -> M:

@@ -126,7 +126,6 @@ class Job:
         self.rid = rid
         self.internal: list[str] = []  # scheduler rids, assigned by the server
         self.abort_requested = False
-        self.disconnected = False
 
     def on_update(self, update: ReqUpdate) -> list[Any]:
         if not update.finished:
@@ -643,7 +642,7 @@ class Server:
             return
         for reply in job.on_update(update):
             if reply.TAG == "chunk":
-                self._send(job.identity, reply, job)
+                self._send(job.identity, reply)
             else:
                 self._end(job, reply)
 
@@ -660,16 +659,14 @@ class Server:
         """Send the one final reply of `job` and forget it."""
         self._forget(job)
         self.counters["errors" if reply.TAG == "error" else "results"] += 1
-        self._send(job.identity, reply, job)
+        self._send(job.identity, reply)
 
     def _forget(self, job: Job) -> None:
         self.jobs.pop(job.rid, None)
         for rid in job.internal:
             self.by_internal.pop(rid, None)
 
-    def _send(self, identity: bytes, reply: Any, job: Job | None = None) -> None:
-        if job is not None and job.disconnected:
-            return
+    def _send(self, identity: bytes, reply: Any) -> None:
         assert self.router is not None
         try:
             self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
@@ -703,9 +700,8 @@ class Server:
             "client %s went silent; aborting its %d requests", identity.hex()[:8], len(mine)
         )
         self.counters["clients_timed_out"] += 1
-        for job in mine:
-            job.disconnected = True
-            if isinstance(job, FlushJob):
+        for job in mine:  # the final replies still go out: a client that was only frozen
+            if isinstance(job, FlushJob):  # (SIGSTOP, a debugger) gets them when it resumes
                 self._forget(job)
             else:
                 self._abort(job, "client disconnected")

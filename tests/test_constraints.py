@@ -6,12 +6,12 @@ import functools
 import json
 import random
 import re
-import threading
 import time
 from collections import deque
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
@@ -495,48 +495,40 @@ def test_invalid_grammar_is_cached(
         backend.shutdown()
 
 
-def test_compiles_off_thread(sp: PreTrainedTokenizerFast, monkeypatch: Any) -> None:
-    release = threading.Event()
-    calls: list[tuple[str, str]] = []  # (thread, regex) of every Index built
+SLOW = ("regex", "a{0,100000}")  # minutes to compile, even over the tiny vocabulary
 
-    def slow_index(regex: str, vocabulary: Vocabulary) -> Index:
-        calls.append((threading.current_thread().name, regex))
-        assert release.wait(30)
-        return Index(regex, vocabulary)
 
-    monkeypatch.setattr(constraints, "Index", slow_index)
-    backend = sp_backend(sp)
+def compiler_children() -> set[int]:
+    children = psutil.Process().children(recursive=True)
+    return {c.pid for c in children if "radixflow.runtime.grammar_compiler" in c.cmdline()}
+
+
+def test_slow_grammar_holds_one_worker_then_fails_at_its_time_limit(
+    sp: PreTrainedTokenizerFast,
+) -> None:
+    """Compilation runs in worker processes: a grammar that would take minutes occupies one
+    worker while another compiles the next key, and fails (cached) at `timeout_s`; its worker
+    is killed and replaced, and shutdown leaves no compiler process behind."""
+    others = compiler_children()  # other backends' workers
+    backend = sp_backend(sp, timeout_s=4)
     try:
-        key = ("regex", "abc")
-        backend.submit(key)
-        backend.submit(key)  # in flight: no second compilation
-        assert backend.poll(key) is None and backend.poll(key) is None
-        release.set()
-        grammar = backend.get(key, timeout=30)
-        assert isinstance(grammar, Grammar) and isinstance(backend.poll(key), Grammar)
-        assert grammar is not backend.poll(key)  # fresh state per request
-        assert len(calls) == len(set(calls))  # nothing compiled twice
-        assert {thread for thread, _ in calls} == {"grammar_0"}  # the worker, not this thread
-    finally:
-        backend.shutdown()
-
-
-def test_get_timeout(sp: PreTrainedTokenizerFast, monkeypatch: Any) -> None:
-    release = threading.Event()
-
-    def slow_index(regex: str, vocabulary: Vocabulary) -> Index:
-        assert release.wait(30)
-        return Index(regex, vocabulary)
-
-    monkeypatch.setattr(constraints, "Index", slow_index)
-    backend = sp_backend(sp)
-    try:
+        backend.submit(SLOW)
+        backend.submit(SLOW)  # in flight: not compiled twice
+        started = time.monotonic()
+        assert isinstance(backend.get(("regex", "abc"), timeout=3), Grammar)
+        assert backend.poll(SLOW) is None, "the slow grammar is still compiling"
+        assert len(compiler_children() - others) == 2
         with pytest.raises(TimeoutError):
-            backend.get(("regex", "a"), timeout=0.05)
-        release.set()
-        assert isinstance(backend.get(("regex", "a"), timeout=30), Grammar)
+            backend.get(SLOW, timeout=0.05)
+        with pytest.raises(GrammarError, match="took longer than 4 s to compile"):
+            backend.get(SLOW, timeout=30)
+        assert 4 <= time.monotonic() - started < 15
+        assert isinstance(backend.poll(SLOW), GrammarError)  # cached: no second attempt
+        assert isinstance(backend.get(("regex", "a+b"), timeout=10), Grammar)  # a fresh worker
+        assert len(compiler_children() - others) == 2
     finally:
         backend.shutdown()
+    assert compiler_children() - others == set()
 
 
 def test_lru_eviction(sp: PreTrainedTokenizerFast) -> None:

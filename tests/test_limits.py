@@ -18,8 +18,6 @@ from test_server import wait_for, wait_idle
 from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
 
-# Not yet green on a loaded machine (see the issue 8 note): excluded from the default suite.
-pytestmark = pytest.mark.reliability
 
 CONTEXT = 256
 MAX_NEW_TOKENS_LIMIT = 512

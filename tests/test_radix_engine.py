@@ -13,8 +13,14 @@ SHARED = (
     "house. The key opened a small wooden box in the attic that held letters from a sailor "
     "named Tomas, written between 1921 and 1924, describing storms, ports and a parrot. "
 )
-QUESTIONS = ["Where was the key?", "Who wrote the letters?", "What did the box hold?",
-             "When were the letters written?", "What animal is mentioned?", "Who is Mara?"]
+QUESTIONS = [
+    "Where was the key?",
+    "Who wrote the letters?",
+    "What did the box hold?",
+    "When were the letters written?",
+    "What animal is mentioned?",
+    "Who is Mara?",
+]
 PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 CONFIGS = {
@@ -68,8 +74,9 @@ def test_fork_prefix_computed_once(make_engine, page_size):
 def test_parallel_sampling_shares_prompt(make_engine):
     eng = make_engine()
     prompt = chat("Name an animal.")
-    outs = eng.generate(prompt, {"n": 4, "temperature": 1.0, "seed": 3, "max_new_tokens": 8,
-                                 "ignore_eos": True})
+    outs = eng.generate(
+        prompt, {"n": 4, "temperature": 1.0, "seed": 3, "max_new_tokens": 8, "ignore_eos": True}
+    )
     assert len(outs) == 4 and len({tuple(o["output_ids"]) for o in outs}) > 1
     n_prompt = outs[0]["meta_info"]["prompt_tokens"]
     assert eng.stats()["prefill_tokens_computed"] == n_prompt + 3
@@ -81,8 +88,9 @@ def test_turns_reuse_previous_turn(make_engine):
     history = chat("Tell me a fact about the moon.")
     first = eng.generate(history, {"max_new_tokens": 12, "temperature": 0})
     history += first["text"] + "<|im_end|>\n<|im_start|>user\nAnd about the sun?<|im_end|>\n"
-    second = eng.generate(history + "<|im_start|>assistant\n", {"max_new_tokens": 8,
-                                                                "temperature": 0})
+    second = eng.generate(
+        history + "<|im_start|>assistant\n", {"max_new_tokens": 8, "temperature": 0}
+    )
     assert second["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"]
     assert eng.flush_cache() and eng.stats()["tokens_in_tree"] == 0
     eng.check_idle()

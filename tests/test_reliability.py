@@ -38,8 +38,6 @@ from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
 from radixflow.runtime.sampling import SamplingParams
 
-# Not yet green on a loaded machine (see the issue 8 note): excluded from the default suite.
-pytestmark = pytest.mark.reliability
 
 MAX_MESSAGE_BYTES = 1 << 16
 GREEDY = {"max_new_tokens": 8, "temperature": 0}

@@ -86,8 +86,15 @@ def make_scheduler(**config) -> tuple[Scheduler, FakeRunner]:
     cfg = ServerConfig(**{"self_check": True, "max_total_tokens": 4096, **config})
     runner = FakeRunner()
     pool = KVPool(cfg.max_total_tokens, cfg.page_size)
-    sched = Scheduler(cfg, runner, pool, eos_token_ids=(0,), context_len=100_000,
-                      vocab_size=VOCAB, decode=lambda ids: " ".join(map(str, ids)))
+    sched = Scheduler(
+        cfg,
+        runner,
+        pool,
+        eos_token_ids=(0,),
+        context_len=100_000,
+        vocab_size=VOCAB,
+        decode=lambda ids: " ".join(map(str, ids)),
+    )
     return sched, runner
 
 
@@ -131,8 +138,12 @@ CONFIGS = [
     # a small pool and an optimistic decode estimate force preemption
     {"max_total_tokens": 400, "schedule_conservativeness": 0.05},
     {"max_total_tokens": 400, "schedule_conservativeness": 0.05, "page_size": 16},
-    {"max_total_tokens": 400, "schedule_conservativeness": 0.05, "disable_radix_cache": True,
-     "chunked_prefill_size": 32},
+    {
+        "max_total_tokens": 400,
+        "schedule_conservativeness": 0.05,
+        "disable_radix_cache": True,
+        "chunked_prefill_size": 32,
+    },
     {"max_running_requests": 3, "max_prefill_tokens": 50},
 ]
 
