@@ -242,6 +242,39 @@ def test_request_too_big_for_pool_fails_cleanly() -> None:
     assert ok.output_ids == expected_output(ok.input_ids, 5)
 
 
+@pytest.mark.parametrize("when", ["prefill", "mid-chunk", "decode"])
+def test_a_failing_step_fails_its_batch_and_leaks_nothing(when: str) -> None:
+    """A forward that raises (a bad request, a kernel bug) costs the requests of that step:
+    they finish with an error, their KV goes back, the tree holds nothing of the step, and
+    requests queued behind them still get exact outputs."""
+    sched, runner = make_scheduler(chunked_prefill_size=16, max_running_requests=2)
+    first = make_req("first", list(range(1, 40)), 8, ignore_eos=True)
+    second = make_req("second", list(range(2, 30)), 8, ignore_eos=True)
+    later = make_req("later", list(range(3, 25)), 6, ignore_eos=True)
+    for req in (first, second, later):
+        sched.add_request(req)
+    steps = {"prefill": 1, "mid-chunk": 2, "decode": 6}[when]
+    for _ in range(steps - 1):
+        sched.step()
+    forward = runner.forward
+
+    def broken(plan: BatchPlan) -> StepResult:
+        raise RuntimeError("kernel exploded")
+
+    runner.forward = broken
+    failed = sched.step()
+    runner.forward = forward
+    assert failed and all(r.finished for r in failed)
+    assert all("kernel exploded" in r.error for r in failed), [r.error for r in failed]
+    sched.check_invariants()
+    run_all(sched)
+    for req in (first, second, later):
+        if req not in failed:
+            assert req.output_ids == expected_output(req.input_ids, len(req.output_ids))
+            assert len(req.output_ids) == req.sampling.max_new_tokens
+    assert later not in failed
+
+
 def test_stats_count_cached_tokens_once() -> None:
     sched, _ = make_scheduler(chunked_prefill_size=8)
     prompt = list(range(1, 50))
