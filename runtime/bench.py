@@ -490,7 +490,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class LlamaCppBackend:
     """llama-cpp-python's `Llama`: one sequence, so calls run one after another, each reusing
     the longest prefix it shares with what the KV cache holds (its own prefix-match logic).
-    Not tried here: llama-cpp-python was not installed when this was written."""
+    Run with llama-cpp-python 0.3.36 built from source in its own venv. Not the best reuse
+    its API allows (a `kv_cache_seq_cp` per branch, branches decoded as one batch): one
+    sequence, so branches after the first recompute what follows their shared prefix."""
 
     def __init__(self, model_path: str, n_ctx: int, threads: int) -> None:
         from llama_cpp import Llama

@@ -173,7 +173,7 @@ class CompilerPool:
     def submit(self, key: GrammarKey) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
-            if self._closed:
+            if self._closed or not self._thread.is_alive():
                 future.set_result(GrammarError("the grammar compiler is shut down"))
                 return future
             self._queue.append((key, future))
@@ -216,8 +216,16 @@ class CompilerPool:
         """Hand queued keys to idle workers, starting workers up to the pool size."""
         while True:
             idle = next((w for w in self._workers if w.job is None), None)
+            with self._lock:
+                if not self._queue:
+                    return
             if idle is None and len(self._workers) < self._size:
-                idle = _Worker(self._setup)
+                try:
+                    idle = _Worker(self._setup)
+                except OSError as e:  # cannot start a process: fail the key, keep serving
+                    key, future = self._queue.popleft()
+                    future.set_result(GrammarError(f"cannot start a grammar compiler: {e}"))
+                    continue
                 self._workers.append(idle)
             with self._lock:
                 if idle is None or not self._queue:
