@@ -144,9 +144,8 @@ def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Layout:
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows (N, Hkv, D) at index (B, L) -> contiguous fp32 (Hkv, B, L, D): head-major, so that
-    every (head, request) pair is one matrix of a batched matmul without another copy."""
-    return rows.permute(1, 0, 2)[:, index].float()
+    """rows (N, Hkv, D) at index (B, L) -> fp32 (B, Hkv, L, D) (a transposed view)."""
+    return rows[index].float().transpose(1, 2)
 
 
 def _masked_attention(
@@ -156,19 +155,17 @@ def _masked_attention(
     mask: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
-    """queries (B, Lq, H, D), keys/values (Hkv, B, Lk, D), mask (B, Lq, Lk) -> (B, Lq, H, D)."""
-    batch_size, len_q, num_heads, head_dim = queries.shape
-    num_kv_heads, len_k = keys.shape[0], keys.shape[2]
-    group = num_heads // num_kv_heads
-    # The G query heads of one KV head and their Lq queries are the rows of one matmul against
-    # that head's keys: (Hkv, B, G*Lq, D) x (Hkv, B, D, Lk). (Broadcasting a G axis instead made
-    # torch copy the keys G times per call: decode attention cost 10x the linear layers.)
-    qg = queries.view(batch_size, len_q, num_kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
-    qg = qg.reshape(num_kv_heads, batch_size, group * len_q, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * sm_scale  # (Hkv, B, G*Lq, Lk)
-    scores = scores.view(num_kv_heads, batch_size, group, len_q, len_k)
-    scores = scores.masked_fill(~mask[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked padding rows -> 0
-    probs = probs.view(num_kv_heads, batch_size, group * len_q, len_k)
-    out = torch.matmul(probs, values).view(num_kv_heads, batch_size, group, len_q, head_dim)
-    return out.permute(1, 3, 0, 2, 4).reshape(batch_size, len_q, num_heads, head_dim)
+    """queries (B, Lq, H, D), keys/values (B, Hkv, Lk, D), mask (B, Lq, Lk) -> (B, Lq, H, D).
+
+    torch's fused scaled_dot_product_attention (grouped-query heads, boolean mask): on CPU
+    it is 2-5x faster than spelling out matmul, mask and softmax. Rows whose mask is all
+    False (padding) come out as zeros."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask[:, None],
+        scale=sm_scale,
+        enable_gqa=True,
+    )  # (B, H, Lq, D)
+    return out.transpose(1, 2).nan_to_num_(0.0)
