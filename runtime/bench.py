@@ -420,8 +420,13 @@ class WorkerSystem(System):
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"radixflow-bench-{name}.log"
         self._log = self.log_path.open("w")
         command = [python, "-I", "-c", WORKER_STUB, str(Path(__file__).resolve()), name]
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True
+        self.proc = subprocess.Popen(  # cwd: not the checkout, whose kernels/ shadows a package
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=self.log_path.parent,
         )
         self.pid = self.proc.pid
         self._ask({"op": "load", "args": args})
