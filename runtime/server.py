@@ -446,7 +446,7 @@ class Server:
             msg, key = decode_with_key(parts[0], CLIENT_REQUESTS, self.config.max_message_bytes)
         except ProtocolError as e:
             self.counters[f"error_{e.code}"] += 1
-            log.info("protocol error from %s: %s", identity.hex()[:8], e)
+            log.info("protocol error from %s: %s", identity.hex(), e)
             self._send(identity, Error(e.rid, e.code, str(e)))
             return
         rid = getattr(msg, "rid", "")
@@ -671,7 +671,7 @@ class Server:
         try:
             self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("reply to %s dropped: its queue is full", identity.hex()[:8])
+            log.warning("reply to %s dropped: its queue is full", identity.hex())
 
     # ---- housekeeping ---------------------------------------------------------------------
 
@@ -697,7 +697,7 @@ class Server:
     def _drop_client(self, identity: bytes) -> None:
         mine = [job for job in self.jobs.values() if job.identity == identity]
         log.warning(
-            "client %s went silent; aborting its %d requests", identity.hex()[:8], len(mine)
+            "client %s went silent; aborting its %d requests", identity.hex(), len(mine)
         )
         self.counters["clients_timed_out"] += 1
         for job in mine:  # the final replies still go out: a client that was only frozen
