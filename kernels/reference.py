@@ -114,7 +114,7 @@ def decode_attention(
     kv_indices: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 8,
-    layout: Layout | None = None,
+    layout: DecodeLayout | None = None,
 ) -> torch.Tensor:
     """One query token per request over all its pooled KV (which already holds this token).
 
@@ -123,24 +123,45 @@ def decode_attention(
     """
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
-    if layout is None:
-        kv_index, lens = _padded(kv_indptr, kv_indices)
-        cols = torch.arange(kv_index.shape[1], device=q.device)
-        mask = (cols[None, :] < lens[:, None])[:, None, :]
-    else:
-        kv_index, mask = layout.kv_index, layout.mask
-    keys, values = _gather(k_buffer, kv_index), _gather(v_buffer, kv_index)
-    out = _masked_attention(q.float()[:, None], keys, values, mask, sm_scale)
-    return out[:, 0].to(q.dtype)
+    layout = layout or decode_layout(kv_indptr, kv_indices)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for rows, kv_index, mask in layout.groups:
+        keys, values = _gather(k_buffer, kv_index), _gather(v_buffer, kv_index)
+        out[rows] = _masked_attention(q[rows].float()[:, None], keys, values, mask, sm_scale)[:, 0]
+    return out.to(q.dtype)
 
 
-def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> Layout:
-    """Layout for `decode_attention`: kv_index (B, Lk) and mask (B, 1, Lk)."""
-    kv_index, lens = _padded(kv_indptr, kv_indices)
-    cols = torch.arange(kv_index.shape[1], device=kv_indptr.device)
-    mask = (cols[None, :] < lens[:, None])[:, None, :]
-    empty = torch.zeros(0, dtype=torch.long, device=kv_indptr.device)
-    return Layout(kv_index, empty, mask, empty, empty)
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Requests in groups of similar KV length, each padded to its longest: (rows (g,),
+    kv_index (g, Lk), mask (g, 1, Lk)). Padding every request to the batch's longest made 16
+    short chats beside one 3,000-token request gather 3,000 keys each, in every layer."""
+
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLayout:
+    """Group requests, longest first, while a group's padded size stays within twice its
+    real size; one group when lengths are alike."""
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+    order = sorted(range(len(lens)), key=lambda b: -lens[b])
+    groups, start = [], 0
+    while start < len(order):
+        end, total = start + 1, lens[order[start]]
+        while end < len(order) and (end - start + 1) * lens[order[start]] <= 2 * (
+            total + lens[order[end]]
+        ):
+            total += lens[order[end]]
+            end += 1
+        rows = torch.tensor(order[start:end], dtype=torch.long, device=kv_indptr.device)
+        starts = kv_indptr[:-1][rows]
+        indptr = torch.cat([starts.new_zeros(1), torch.cumsum(kv_indptr[1:][rows] - starts, 0)])
+        spans = [kv_indices[kv_indptr[b] : kv_indptr[b + 1]] for b in order[start:end]]
+        kv_index, group_lens = _padded(indptr, torch.cat(spans) if spans else kv_indices)
+        cols = torch.arange(kv_index.shape[1], device=kv_indptr.device)
+        groups.append((rows, kv_index, (cols[None, :] < group_lens[:, None])[:, None, :]))
+        start = end
+    return DecodeLayout(groups)
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
