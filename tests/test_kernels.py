@@ -148,6 +148,25 @@ def test_decode_empty_request_gives_zeros() -> None:
     assert_close(out, reference.decode_attention(*args))
 
 
+def test_reference_decode_groups_mixed_lengths() -> None:
+    """The torch decode pads within groups of similar KV length: a batch mixing long and short
+    contexts forms several groups and gives each request what it gets alone."""
+    lens = [300, 4, 290, 17, 1, 120, 0, 33]
+    q, k_buffer, v_buffer, kv_indptr, slots, scale = decode_case(3, lens, torch.float32, seed=5)
+    groups = reference.decode_layout(kv_indptr, slots).groups
+    assert len(groups) >= 3 and sorted(torch.cat([g[0] for g in groups]).tolist()) == list(
+        range(len(lens))
+    )
+    assert sum(g[1].numel() for g in groups) <= 2 * sum(lens) + max(lens)
+    together = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, slots, scale)
+    for b, n in enumerate(lens):
+        own = slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        alone = reference.decode_attention(
+            q[b : b + 1], k_buffer, v_buffer, indptr([n]), own, scale
+        )
+        assert_close(together[b : b + 1], alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 3])
 def test_extend_matches_reference(dtype: torch.dtype, group: int) -> None:
