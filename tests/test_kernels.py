@@ -317,6 +317,52 @@ def test_reference_decode_matches_naive(group: int) -> None:
     torch.testing.assert_close(reference.decode_attention(*args), expected, atol=1e-5, rtol=0)
 
 
+def shared_slots(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Pools and kv_indices of six requests as a radix tree lays them out: three behind one
+    100-slot prefix (two of them also share the next 70), two behind another 80-slot prefix
+    (one of them ending right at it), one alone. -> (k_buffer, v_buffer, slots, lens)."""
+    k_buffer, v_buffer, pool = make_pools(456, torch.float32, gen)
+    take = iter(pool.split([100, 70, 5, 9, 30, 80, 12, 150]))
+    root, branch, *tails = next(take), next(take), next(take), next(take), next(take)
+    other, other_tail, alone = next(take), next(take), next(take)
+    requests = [
+        torch.cat([root, branch, tails[0]]),
+        torch.cat([root, branch, tails[1]]),
+        torch.cat([root, tails[2]]),
+        torch.cat([other, other_tail]),
+        other,
+        alone,
+    ]
+    return k_buffer, v_buffer, torch.cat(requests), [len(r) for r in requests]
+
+
+def test_reference_decode_with_shared_prefixes_matches_naive() -> None:
+    gen = torch.Generator().manual_seed(5)
+    k_buffer, v_buffer, slots, lens = shared_slots(gen)
+    kv_indptr = indptr(lens)
+    layout = reference.decode_layout(kv_indptr, slots)
+    assert sorted(len(g.slots) for g in layout.shared) == [80, 100]
+    q = randn((len(lens), NUM_KV_HEADS * 3, HEAD_DIM), torch.float32, gen)
+    expected = naive_decode(q, k_buffer, v_buffer, kv_indptr, slots, 0.125).float()
+    actual = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, slots, 0.125)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_reference_extend_with_shared_prefixes_matches_naive() -> None:
+    """New tokens (1, 7, 33, 4, 2, 5) behind the shared prefixes; one prefix is shared in
+    full, so that request's remaining keys are only its own new tokens."""
+    gen = torch.Generator().manual_seed(6)
+    k_buffer, v_buffer, slots, lens = shared_slots(gen)
+    new = [1, 7, 33, 4, 2, 5]
+    q, k, v = strided_heads(
+        sum(new), [NUM_KV_HEADS * 3, NUM_KV_HEADS, NUM_KV_HEADS], torch.float32, gen
+    )
+    args = (q, k, v, k_buffer, v_buffer, indptr(new), indptr(lens), slots, 0.125)
+    assert len(reference.make_layout(*args[5:8]).shared) == 2
+    expected = naive_extend(*args).float()
+    torch.testing.assert_close(reference.extend_attention(*args), expected, atol=1e-5, rtol=0)
+
+
 def test_reference_decode_is_extend_of_one_token() -> None:
     """Decode of the last token == extend of that token over the rest as prefix."""
     gen = torch.Generator().manual_seed(4)
