@@ -18,7 +18,6 @@ from test_server import wait_for, wait_idle
 from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
 
-
 CONTEXT = 256
 MAX_NEW_TOKENS_LIMIT = 512
 MAX_RUNNING = 2

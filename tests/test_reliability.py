@@ -38,7 +38,6 @@ from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
 from radixflow.runtime.sampling import SamplingParams
 
-
 MAX_MESSAGE_BYTES = 1 << 16
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
