@@ -46,32 +46,38 @@ MIN_SHARED_KEYS = 64  # shorter common prefixes stay in the padded path
 def find_shared_prefixes(
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
 ) -> tuple[tuple[SharedPrefix, ...], torch.Tensor]:
-    """Groups of two or more requests whose KV starts with the same MIN_SHARED_KEYS or more
-    slots (one level: the longest prefix common to all requests with the same first slot).
+    """Runs of MIN_SHARED_KEYS or more slots that two or more requests hold at the same
+    position, found level by level as in the radix tree: requests with the same slot at
+    `offset` share the run up to their first difference, then split by the slot after it
+    (a tree-of-thought batch: one run per problem, then one per first-level branch).
     -> (groups, per-request count of leading keys the groups cover)."""
     lens = kv_indptr[1:] - kv_indptr[:-1]
     skip = torch.zeros_like(lens)
-    starts = kv_indptr[:-1]
-    by_first: dict[int, list[int]] = {}
-    long_enough = (lens >= MIN_SHARED_KEYS).nonzero()[:, 0].tolist()
-    if len(long_enough) < 2:
-        return (), skip
-    firsts = kv_indices[starts[long_enough]].tolist()
-    for b, first in zip(long_enough, firsts):
-        by_first.setdefault(first, []).append(b)
-    groups = []
-    for members in by_first.values():
+    starts, device = kv_indptr[:-1], kv_indptr.device
+    groups: list[SharedPrefix] = []
+
+    def split(members: list[int], offset: int) -> None:
+        members = [b for b in members if int(lens[b]) - offset >= MIN_SHARED_KEYS]
         if len(members) < 2:
-            continue
-        rows = torch.tensor(members, device=kv_indptr.device)
-        cols = torch.arange(int(lens[rows].min()), device=kv_indptr.device)
-        index = kv_indices[starts[rows][:, None] + cols]  # (n, shortest)
-        length = int((index == index[:1]).all(0).cumprod(0).sum())
-        if length < MIN_SHARED_KEYS:
-            continue
-        skip[rows] = length
-        q_rows = [torch.arange(int(qo_indptr[b]), int(qo_indptr[b + 1])) for b in members]
-        groups.append(SharedPrefix(torch.cat(q_rows).to(kv_indptr.device), index[0, :length]))
+            return
+        by_slot: dict[int, list[int]] = {}
+        for b, slot in zip(members, kv_indices[starts[members] + offset].tolist()):
+            by_slot.setdefault(slot, []).append(b)
+        for sub in by_slot.values():
+            if len(sub) < 2:
+                continue
+            rows = torch.tensor(sub, device=device)
+            cols = offset + torch.arange(int(lens[rows].min()) - offset, device=device)
+            index = kv_indices[starts[rows][:, None] + cols]  # (n, shortest - offset)
+            length = int((index == index[:1]).all(0).cumprod(0).sum())
+            if length < MIN_SHARED_KEYS:
+                continue
+            skip[rows] = offset + length
+            q_rows = [torch.arange(int(qo_indptr[b]), int(qo_indptr[b + 1])) for b in sub]
+            groups.append(SharedPrefix(torch.cat(q_rows).to(device), index[0, :length]))
+            split(sub, offset + length)
+
+    split(list(range(len(lens))), 0)
     return tuple(groups), skip
 
 
