@@ -486,75 +486,217 @@ def worker_main(kind: str) -> None:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    """Length of the longest common prefix of two token lists (a binary search: the slice
+    comparisons run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class LlamaCppBackend:
-    """llama-cpp-python's `Llama`: one sequence, so calls run one after another, each reusing
-    the longest prefix it shares with what the KV cache holds (its own prefix-match logic).
-    Run with llama-cpp-python 0.3.36 built from source in its own venv. Not the best reuse
-    its API allows (a `kv_cache_seq_cp` per branch, branches decoded as one batch): one
-    sequence, so branches after the first recompute what follows their shared prefix."""
+    """llama-cpp-python's low-level API (`llama_cpp`): one context whose unified KV cache
+    (2 x n_ctx cells, shared by all sequences) holds a sequence per call, or per option of a
+    select call. Calls that arrive together are prefilled in levels: each one's sequence
+    gets, by `llama_memory_seq_cp` (which shares cells, copying nothing), the longest prefix
+    that some sequence holds (one of this round's, or one kept from the last round), so a
+    shared prefix is decoded once; the rest is decoded in batches that mix sequences, the
+    calls' last prompt tokens all in the last level. Then each step decodes the next token
+    of every running call as one batch (greedy, EOS ignored). Late calls are prefilled the
+    same way between steps, then join the batch. A select call scores each option by the
+    mean log-softmax of its tokens. A round's sequences are kept through the next round;
+    when sequences or cells run out, finished ones are evicted (least recently used first)
+    and calls wait for free ones. Other settings are llama.cpp's defaults (flash attention:
+    auto). Run with llama-cpp-python 0.3.36 built from source in its own venv."""
+
+    GREEDY = -1  # a decode entry's `want`: its greedy next token (>= 0: that token's logprob)
 
     def __init__(self, model_path: str, n_ctx: int, threads: int) -> None:
-        from llama_cpp import Llama
+        import llama_cpp
 
-        self.llm = Llama(
-            model_path=model_path,
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            logits_all=True,  # select reads the option positions' logits
-            verbose=False,
+        self.lib = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(
+            model_path.encode(), llama_cpp.llama_model_default_params()
         )
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = 2 * n_ctx  # cells for all sequences: a round of 64 calls fits
+        params.n_seq_max = self.n_seq = llama_cpp.llama_max_parallel_sequences()
+        params.kv_unified = True  # one cache for all sequences: copied prefixes share cells
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params) if self.model else None
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not load {model_path}")
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_batch = llama_cpp.llama_n_batch(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.seqs: dict[int, list[int]] = {}  # sequence -> tokens in its KV; least recent first
+        self.running: set[int] = set()  # sequences of calls still generating: never evicted
 
     def reset(self) -> None:
-        self.llm.reset()
-
-    def _cached(self) -> list[int]:
-        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+        self.lib.llama_memory_clear(self.memory, True)
+        self.seqs.clear()
+        self.running.clear()
 
     def run_round(self, calls: list[Any]) -> RoundResult:
-        arrivals, result, lead_times = Arrivals(calls, time.monotonic()), RoundResult([]), []
-        for call in calls:
-            if call.options:
-                result.outputs.append(self._select(call, result))
-                continue
-            reused = common_prefix(self._cached(), list(call.input_ids)[:-1])
-            result.cached_tokens += reused
-            result.prefill_tokens += len(call.input_ids) - reused
-            output, times = [], []
-            for token in self.llm.generate(call.input_ids, top_k=1, temp=0.0, repeat_penalty=1.0):
-                output.append(int(token))  # generate() never stops by itself: EOS is ignored
-                times.append(time.monotonic())
-                if len(output) == call.max_new_tokens:
-                    break
-            lead_times = lead_times or times
-            arrivals.due(lead_times, True)
-            result.outputs.append(output)
-            result.ttfts.append(times[0] - arrivals.times[len(result.outputs) - 1])
-            result.itls += diffs(times)
+        arrivals, result = Arrivals(calls, time.monotonic()), RoundResult([None] * len(calls))
+        earlier = list(self.seqs)  # the last round's sequences: sources until this round ends
+        waiting: list[int] = []
+        live: dict[int, tuple[int, list[int]]] = {}  # sequence -> (call, tokens generated)
+        times: list[list[float]] = [[] for _ in calls]  # per call: when each token came out
+
+        def retire() -> None:
+            for seq, (i, out) in list(live.items()):
+                if len(out) >= calls[i].max_new_tokens:
+                    del live[seq]
+                    self.running.discard(seq)
+                    result.outputs[i] = out
+                    result.ttfts.append(times[i][0] - arrivals.times[i])
+                    result.itls += diffs(times[i])
+
+        while live or waiting or not arrivals.complete:
+            waiting += arrivals.due(times[0], result.outputs[0] is not None)
+            before = len(waiting)
+            waiting = self._prefill(calls, waiting, result, live, times)
+            if waiting and len(waiting) == before and not live:
+                raise RuntimeError("no free sequence for a call while none is running")
+            retire()
+            if live:
+                self._step(live, times)
+                retire()
+        self._drop([s for s in earlier if s in self.seqs])
         return result
 
-    def _select(self, call: Any, result: RoundResult) -> int:
+    def _prefill(
+        self,
+        calls: list[Any],
+        waiting: list[int],
+        result: RoundResult,
+        live: dict[int, tuple[int, list[int]]],
+        times: list[list[float]],
+    ) -> list[int]:
+        """Prefill the waiting calls that get sequences (select calls are scored, generation
+        calls get their first token and join `live`); returns the calls still waiting. Each
+        call's tail (from its last prompt token on: the positions whose logits are read) is
+        left to the last level, so that all calls get their first token together."""
+        leaves, level = [], {}  # (call, option, seq, source, reused, tokens); seq -> its level
+        protect: set[int] = set()  # the planned sequences and their sources: never evicted
+        for n, i in enumerate(waiting):
+            call = calls[i]
+            targets = [[*call.input_ids, *o] for o in call.options] or [list(call.input_ids)]
+            seqs = self._claim(len(targets), protect)
+            if seqs is None:
+                waiting = waiting[n:]
+                break
+            for k, (seq, tokens) in enumerate(zip(seqs, targets)):
+                source, reused = self._source(tokens, len(call.input_ids) - 1)
+                level[seq] = level.get(source, -1) + 1  # 0: copies KV that exists already
+                leaves.append((i, k, seq, source, reused, tokens))
+                protect |= {seq, source}
+                self.seqs[seq] = tokens[: len(call.input_ids) - 1]  # held before the tails
+        else:
+            waiting = []
+        final = max(level.values(), default=0)
+        for depth in range(final + 1):
+            early, tails = [], []
+            for i, _, seq, source, reused, tokens in leaves:
+                last = len(calls[i].input_ids) - 1
+                if level[seq] == depth:
+                    if reused:
+                        self.lib.llama_memory_seq_cp(self.memory, source, seq, 0, reused)
+                    early += [(seq, pos, tokens[pos], None) for pos in range(reused, last)]
+                    result.prefill_tokens += len(tokens) - reused
+                    result.cached_tokens += reused
+                if depth == final:  # gen: the greedy first token; option: each token's logprob
+                    wants = tokens[last + 1 :] + [None if calls[i].options else self.GREEDY]
+                    tails += [(seq, last + j, tokens[last + j], w) for j, w in enumerate(wants)]
+            values = iter(self._decode(early + tails, protect))  # the last level's tails
+        scores = {i: [0.0] * len(calls[i].options) for i, *_ in leaves if calls[i].options}
+        for i, k, seq, _, _, tokens in leaves:
+            self.seqs[seq] = tokens
+            if calls[i].options:
+                scores[i][k] = mean([next(values)[0] for _ in calls[i].options[k]])
+            else:
+                token, now = next(values)
+                live[seq], times[i] = (i, [token]), [now]
+                self.running.add(seq)
+        for i, option_scores in scores.items():
+            result.outputs[i] = argmax(option_scores)
+        return waiting
+
+    def _step(self, live: dict[int, tuple[int, list[int]]], times: list[list[float]]) -> None:
+        """Decode the next token of every running call, as one batch."""
+        entries = [(s, len(self.seqs[s]), out[-1], self.GREEDY) for s, (_, out) in live.items()]
+        for (seq, (i, out)), (token, now) in zip(live.items(), self._decode(entries, set())):
+            self.seqs[seq].append(out[-1])
+            out.append(token)
+            times[i].append(now)
+
+    def _source(self, tokens: list[int], cap: int) -> tuple[int | None, int]:
+        """The sequence holding the longest prefix of `tokens`, and its length (<= cap)."""
+        best, reused = None, 0
+        for seq, held in self.seqs.items():
+            if reused < cap and held[: reused + 1] == tokens[: reused + 1]:
+                n = min(common_prefix(held, tokens), cap)
+                best, reused = (seq, n) if n > reused else (best, reused)
+        if best is not None:
+            self.seqs[best] = self.seqs.pop(best)  # most recently used
+        return best, reused
+
+    def _claim(self, count: int, protect: set[int]) -> list[int] | None:
+        """`count` unused sequence ids, evicting finished sequences if need be; None: too few."""
+        while len(free := [s for s in range(self.n_seq) if s not in self.seqs]) < count:
+            if not self._evict(protect):
+                return None
+        return free[:count]
+
+    def _evict(self, protect: set[int]) -> bool:
+        """Drop the least recently used sequence that is neither running nor protected."""
+        seq = next((s for s in self.seqs if s not in self.running and s not in protect), None)
+        if seq is not None:
+            self._drop([seq])
+        return seq is not None
+
+    def _drop(self, seqs: list[int]) -> None:
+        for seq in seqs:
+            self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+            del self.seqs[seq]
+
+    def _decode(self, entries: list[tuple], protect: set[int]) -> list[tuple]:
+        """Evaluate (seq, position, token, want) entries, n_batch at a time. -> for each entry
+        with a want, in order: (its greedy next token, or the logprob of token `want`, the
+        time its batch finished). Out of cells: evict finished sequences and retry."""
         import numpy as np
 
-        prefix, scores = list(call.input_ids), []
-        for option in call.options:
-            seq = prefix + list(option)
-            keep = min(common_prefix(self._cached(), seq), len(prefix) - 1)
-            result.cached_tokens += keep
-            result.prefill_tokens += len(seq) - keep
-            self.llm.n_tokens = keep  # eval() first drops the KV beyond n_tokens
-            self.llm.eval(seq[keep:])
-            logits = np.asarray(self.llm.scores[len(prefix) - 1 : len(seq) - 1], dtype=np.float64)
-            top = logits.max(axis=-1, keepdims=True)
-            logprobs = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
-            scores.append(float(logprobs[np.arange(len(option)), option].mean()))
-        return argmax(scores)
+        values, batch = [], self.batch
+        for start in range(0, len(entries), self.n_batch):
+            chunk = entries[start : start + self.n_batch]
+            for j, (seq, pos, token, want) in enumerate(chunk):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, pos, 1
+                batch.seq_id[j][0], batch.logits[j] = seq, want is not None
+            batch.n_tokens = len(chunk)
+            while (status := self.lib.llama_decode(self.ctx, batch)) == 1 and self._evict(protect):
+                pass  # 1: no room in the KV cache; the call left it unchanged
+            if status:
+                raise RuntimeError(f"llama_decode returned {status} (1: KV cache full)")
+            now, wants = time.monotonic(), [e[3] for e in chunk if e[3] is not None]
+            if not wants:
+                continue
+            shape = (len(wants), self.n_vocab)
+            logits = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=shape)
+            for row, want in zip(logits, wants):
+                if want == self.GREEDY:
+                    values.append((int(row.argmax()), now))
+                    continue
+                row = row.astype(np.float64)
+                top = row.max()
+                values.append((float(row[want] - top - np.log(np.exp(row - top).sum())), now))
+        return values
 
 
 class VllmBackend:
@@ -923,6 +1065,62 @@ def machine_info(model: str, quick: bool) -> dict[str, Any]:
     }
 
 
+def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, float]:
+    """This CPU's fp32 matmul rate at the model's own shapes with `batch` rows (one decode
+    step of `batch` streams: every layer's projections, then the LM head), and the decode
+    throughput that rate allows: `batch` tokens per pass of the matmuls alone. Attention,
+    norms and sampling are left out, so no engine can reach the figure."""
+    import torch
+    import torch.nn.functional as F
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = (config.get("num_key_value_heads") or config["num_attention_heads"]) * head_dim
+    shapes = [(hidden, q_size + 2 * kv_size), (q_size, hidden)]
+    shapes += [(hidden, 2 * inter), (inter, hidden)]  # (in, out) of each layer's projections
+    layer = [torch.randn(n_out, n_in) / n_in**0.5 for n_in, n_out in shapes]
+    head = torch.randn(config["vocab_size"], hidden) / hidden**0.5
+    inputs = [torch.randn(batch, n_in) for n_in, _ in shapes]
+    x_head = torch.randn(batch, hidden)
+
+    def one_pass() -> None:
+        for _ in range(config["num_hidden_layers"]):
+            for x, w in zip(inputs, layer):
+                F.linear(x, w)
+        F.linear(x_head, head)
+
+    one_pass()  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - start)
+    params = config["num_hidden_layers"] * sum(a * b for a, b in shapes) + head.numel()
+    return {
+        "roofline_batch": batch,
+        "fp32_matmul_gflops": round(2 * params * batch / best / 1e9, 1),
+        "roofline_tokens_per_s": round(batch / best, 1),
+    }
+
+
+def roofline_note(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str | None:
+    """radixflow's throughput on `independent` (64 streams) as a share of the roofline."""
+    row = next(
+        (r for r in rows if r["workload"] == "independent" and r["system"] == "radixflow"), None
+    )
+    if row is None or "roofline_tokens_per_s" not in machine:
+        return None
+    share = row["tokens_per_s"] / machine["roofline_tokens_per_s"]
+    return (
+        f"independent: radixflow {row['tokens_per_s']:.1f} tok/s = {share:.0%} of the fp32 "
+        f"compute roofline ({machine['roofline_tokens_per_s']:.0f} tok/s: the matmuls of one "
+        f"{machine['roofline_batch']}-row decode step at {machine['fp32_matmul_gflops']:.0f} "
+        "GFLOP/s measured on this CPU)"
+    )
+
+
 def load_workloads() -> Any:
     """programs/workloads.py of this checkout (programs/ is not an installed package)."""
     path = Path(__file__).resolve().parents[1] / "programs" / "workloads.py"
@@ -1013,6 +1211,9 @@ def report(args: argparse.Namespace, machine: dict[str, Any], runs: tuple) -> No
         print(f"{entry['system']}: {entry['reason']}")
     if ratios:
         print("\n" + speedup_table(ratios))
+    note = roofline_note(rows, machine)
+    if note:
+        print("\n" + note)
     if mode_rows:
         print("\nscheduler modes on long_mix (static = waves of the short requests)")
         print(results_table(mode_rows))
@@ -1052,6 +1253,8 @@ def main(argv: list[str] | None = None) -> int:
         return programs.WORKLOADS[name](encode, args.quick)
 
     machine = machine_info(args.model, args.quick)
+    if not args.quick and "independent" in workloads:
+        machine.update(compute_roofline(model_dir))
     models = Models(args.model, model_dir, args.threads)
     runs = run_all(systems, workloads, models, programs, make, args.scheduler_modes)
     report(args, machine, runs)

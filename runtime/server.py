@@ -696,9 +696,7 @@ class Server:
 
     def _drop_client(self, identity: bytes) -> None:
         mine = [job for job in self.jobs.values() if job.identity == identity]
-        log.warning(
-            "client %s went silent; aborting its %d requests", identity.hex(), len(mine)
-        )
+        log.warning("client %s went silent; aborting its %d requests", identity.hex(), len(mine))
         self.counters["clients_timed_out"] += 1
         for job in mine:  # the final replies still go out: a client that was only frozen
             if isinstance(job, FlushJob):  # (SIGSTOP, a debugger) gets them when it resumes
