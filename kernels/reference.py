@@ -198,15 +198,13 @@ def decode_attention(
         return q.new_zeros(q.shape)
     layout = layout or decode_layout(kv_indptr, kv_indices)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if layout.shared else None
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     for rows, kv_index, mask in layout.groups:
         keys, values = _gather(k_buffer, kv_index), _gather(v_buffer, kv_index)
-        queries = q[rows].float()[:, None]
-        if lse is None:
-            out[rows] = _masked_attention(queries, keys, values, mask, sm_scale)[:, 0]
-        else:
-            group_out, group_lse = _attention_lse(queries, keys, values, mask, sm_scale)
-            out[rows], lse[rows] = group_out[:, 0], group_lse[:, 0]
+        group_out, group_lse = _attention_lse(
+            q[rows].float()[:, None], keys, values, mask, sm_scale
+        )
+        out[rows], lse[rows] = group_out[:, 0], group_lse[:, 0]
     if layout.shared:
         _merge_shared(out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale)
     return out.to(q.dtype)
