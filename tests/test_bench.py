@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from radixflow.runtime.bench import Arrivals, main, percentile, plan_batches
+from radixflow.runtime.bench import (
+    Arrivals,
+    compute_roofline,
+    main,
+    percentile,
+    plan_batches,
+    roofline_note,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "programs"))
 
@@ -87,3 +94,24 @@ def test_naive_batches_respect_kind_rows_and_tokens() -> None:
     assert [len(b) for b in batches] == [64, 6, 1, 2]
     assert [len(b) for b in plan_batches([call(20000), call(20000)], [0, 1])] == [1, 1]
     assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0 and percentile([], 0.5) is None
+
+
+def test_roofline_is_measured_on_the_models_shapes_and_stated_as_a_share() -> None:
+    """A tiny Llama config: the rate is positive, the token bound is batch / pass time, and
+    the note states radixflow's `independent` throughput as a share of it."""
+    import tempfile
+
+    config = {
+        "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100,
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        machine = compute_roofline(Path(tmp), batch=16)
+    assert machine["roofline_batch"] == 16
+    assert machine["fp32_matmul_gflops"] > 0 and machine["roofline_tokens_per_s"] > 0
+    rate = machine["roofline_tokens_per_s"]
+    rows = [{"workload": "independent", "system": "radixflow", "tokens_per_s": rate / 4}]
+    assert "= 25% of the fp32 compute roofline" in roofline_note(rows, machine)
+    assert roofline_note(rows, {}) is None
+    assert roofline_note([{**rows[0], "system": "vllm"}], machine) is None
