@@ -397,6 +397,10 @@ class SchedulerLoop:
             if update is not None:
                 updates.append(update)
         self.touched = []
+        if any(update.finished for update in updates):
+            # Stats first: a client that reads them after its final reply sees its request.
+            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
+            self.last_stats = time.monotonic()
         if updates:
             self.outbox.put(RequestUpdates(updates))
 

@@ -74,7 +74,9 @@ Server <-> scheduler (ipc, same envelope, never seen by clients):
     scheduler -> server: scheduler_ready (model_info, pid) once at start, request_updates (a
         batch of ReqUpdate after each step: stream requests every step they produce tokens,
         the others only when finished; new ids and logprobs are incremental), scheduler_stats
-        (on becoming idle, with the idle leak check, and a few times a second while busy),
+        (on becoming idle, with the idle leak check, a few times a second while busy, and
+        ahead of every request_updates that finishes a request, so the stats a client reads
+        after its final reply count that request),
         flush_done (rid, flushed)
 """
 

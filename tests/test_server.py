@@ -122,6 +122,17 @@ def test_200_requests_from_8_threads_match_the_engine(endpoint, engine) -> None:
     assert stats["cached_tokens"] > 0  # the repeated prompts hit the radix cache
 
 
+def test_stats_read_after_a_reply_count_that_request(endpoint) -> None:
+    # The scheduler's stats reach the server ahead of the final reply they describe.
+    for i, prompt in enumerate(prompts(12)):
+        before = endpoint.stats()
+        out = endpoint.generate(f"{i} {prompt}", {"max_new_tokens": 1, "temperature": 0})
+        after = endpoint.stats()
+        meta = out["meta_info"]
+        assert after["prompt_tokens"] - before["prompt_tokens"] == meta["prompt_tokens"], i
+        assert after["cached_tokens"] - before["cached_tokens"] == meta["cached_tokens"], i
+
+
 def test_logprobs_and_score_match_the_engine(runtime, endpoint, engine) -> None:
     prompt = "The capital of France is"
     kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
