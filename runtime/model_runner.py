@@ -97,7 +97,8 @@ class ModelRunner:
         next_ids: list[int] = []
         next_logprobs: list[float] = []
         if len(plan.sample_rows):
-            rows = logits[self._tensor(plan.sample_rows)]
+            every_row = np.array_equal(plan.sample_rows, np.arange(len(logits)))
+            rows = logits if every_row else logits[self._tensor(plan.sample_rows)]
             next_ids, next_logprobs = sample(rows, plan, self.generator)
         return StepResult(next_ids, next_logprobs, target_logprobs, top_values, top_ids)
 

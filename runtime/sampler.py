@@ -44,10 +44,12 @@ def process_logits(logits: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, plan: BatchPlan, generator: torch.Generator
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of (S, V) logits; return ids and their logprobs."""
+    """Pick one token per row of (S, V) logits; return ids and their logprobs.
+
+    Overwrites `logits`: the log-sum-exp runs in place, since an (S, V) temporary costs more
+    than the arithmetic on a CPU (fresh pages for every step)."""
     logits = process_logits(logits, plan)
-    log_total = torch.logsumexp(logits, dim=-1)  # no (S, V) log_softmax: one value per row
-    chosen = logits.max(dim=-1).indices  # max finds indices faster than argmax on CPU
+    top, chosen = logits.max(dim=-1)  # max finds indices faster than argmax on CPU
     sampled_rows = [i for i, p in enumerate(plan.sampling) if not p.greedy]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
@@ -56,9 +58,10 @@ def sample(
             seed = plan.sample_seeds[i]
             gen = generator if seed is None else torch.Generator().manual_seed(seed)
             chosen[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).to(chosen.device)[0]
-    ids = chosen.tolist()
-    token_logprobs = (logits.gather(1, chosen[:, None])[:, 0] - log_total).tolist()
-    return ids, token_logprobs
+    picked = logits.gather(1, chosen[:, None])[:, 0] if sampled_rows else top
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    log_total = shift + logits.sub_(shift[:, None]).exp_().sum(dim=-1).log()
+    return chosen.tolist(), (picked - log_total).tolist()
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
