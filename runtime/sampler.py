@@ -46,8 +46,8 @@ def sample(
 ) -> tuple[list[int], list[float]]:
     """Pick one token per row of (S, V) logits; return ids and their logprobs.
 
-    Overwrites `logits`: the log-sum-exp runs in place, since an (S, V) temporary costs more
-    than the arithmetic on a CPU (fresh pages for every step)."""
+    Overwrites `logits`: the log-sum-exp runs in place instead of allocating an (S, V)
+    temporary every step."""
     logits = process_logits(logits, plan)
     top, chosen = logits.max(dim=-1)  # max finds indices faster than argmax on CPU
     sampled_rows = [i for i, p in enumerate(plan.sampling) if not p.greedy]
