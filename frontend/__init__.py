@@ -20,83 +20,58 @@ Where radixflow differs from SGLang on purpose:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
-
-from radixflow.api import (
-    Function,
-    assistant,
-    assistant_begin,
-    assistant_end,
-    flush_cache,
-    function,
-    gen,
-    gen_int,
-    gen_string,
-    get_server_info,
-    global_config,
-    select,
-    set_default_backend,
-    system,
-    system_begin,
-    system_end,
-    user,
-    user_begin,
-    user_end,
-)
-from radixflow.chat_template import ChatTemplate, get_chat_template
-from radixflow.choices import (
-    greedy_token_selection,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
-)
-from radixflow.interpreter import ProgramError, ProgramState, ProgramStateGroup
-from radixflow.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, REGEX_STRING
 
 __version__ = "0.1.0"
 
-_BACKEND_NAMES = ("Runtime", "RuntimeEndpoint", "RuntimeEndpointError")
+# Public name -> the module that defines it. Resolved on first use (PEP 562), so that
+# `import radixflow.runtime` (the scheduler process among others) runs no DSL code.
+_EXPORTS = {
+    "radixflow.api": (
+        "Function",
+        "assistant",
+        "assistant_begin",
+        "assistant_end",
+        "flush_cache",
+        "function",
+        "gen",
+        "gen_int",
+        "gen_string",
+        "get_server_info",
+        "global_config",
+        "select",
+        "set_default_backend",
+        "system",
+        "system_begin",
+        "system_end",
+        "user",
+        "user_begin",
+        "user_end",
+    ),
+    "radixflow.chat_template": ("ChatTemplate", "get_chat_template"),
+    "radixflow.choices": (
+        "greedy_token_selection",
+        "token_length_normalized",
+        "unconditional_likelihood_normalized",
+    ),
+    "radixflow.interpreter": ("ProgramError", "ProgramState", "ProgramStateGroup"),
+    "radixflow.ir": ("REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "REGEX_STRING"),
+    "radixflow.backend": ("Runtime", "RuntimeEndpoint", "RuntimeEndpointError"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "ChatTemplate",
-    "Function",
-    "ProgramError",
-    "ProgramState",
-    "ProgramStateGroup",
-    "REGEX_BOOL",
-    "REGEX_FLOAT",
-    "REGEX_INT",
-    "REGEX_STR",
-    "REGEX_STRING",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "flush_cache",
-    "function",
-    "gen",
-    "gen_int",
-    "gen_string",
-    "get_chat_template",
-    "get_server_info",
-    "global_config",
-    "greedy_token_selection",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "user",
-    "user_begin",
-    "user_end",
-    *_BACKEND_NAMES,
-]
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:
-    """The backend classes come from radixflow.backend on first use."""
-    if name in _BACKEND_NAMES:
-        from radixflow import backend
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return getattr(backend, name)
-    raise AttributeError(f"module 'radixflow' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -47,7 +47,6 @@ from radixflow.ir import (
     flatten,
     produced_name,
 )
-from radixflow.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,8 @@ def resolve_sampling(
     defaults: dict[str, Any], overrides: dict[str, Any], stop_str: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Merge run() defaults with a gen's overrides -> (wire sampling params, logprob options).
-    dtype becomes a regex; the template's stop strings are added. Raises ValueError."""
+    dtype becomes a regex; the template's stop strings are added. Raises ValueError for
+    what a program cannot express (n > 1, stop_regex, an unknown dtype)."""
     params = {**defaults, **overrides}
     options = {k: params.pop(k) for k in LOGPROB_OPTIONS if k in params}
     params.pop("return_text_in_logprobs", None)  # entries carry token text None
@@ -87,10 +87,11 @@ def resolve_sampling(
         params["regex"], extra_stop = DTYPE_REGEX[key]
         stop += extra_stop
     params["stop"] = list(dict.fromkeys(stop + list(stop_str)))
-    sampling = SamplingParams.from_dict(params)
-    if sampling.n != 1:
+    if params.get("n", 1) != 1:
         raise ValueError("gen(n>1) is not supported in a program; fork the state instead")
-    return sampling.to_dict(), options
+    # Names were checked by gen(); values are validated once, where the request enters the
+    # runtime (server or Engine), and come back as a clear error.
+    return params, options
 
 
 @dataclass

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from radixflow.runtime import server
 
     if args.command == "scheduler":
-        from radixflow.runtime.engine import run_scheduler
+        from radixflow.runtime.scheduler_loop import run_scheduler
         from radixflow.runtime.transport import IpcAddresses
 
         config = config_from_kwargs(**json.loads(args.config_json))

@@ -3,16 +3,16 @@
     with Engine(model="smollm2") as engine:
         out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
 
-`build_scheduler` is shared with the server's scheduler process, so both run the same code.
+`build_scheduler` is shared with the server's scheduler process (runtime/scheduler_loop.py),
+so both run the same code.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import json
-import logging
-import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,28 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.loader import resolve_model_dir
-from radixflow.runtime.messages import (
-    TO_SCHEDULER,
-    AbortRequests,
-    AddRequests,
-    Flush,
-    FlushDone,
-    ReqSpec,
-    RequestUpdates,
-    ReqUpdate,
-    SchedulerReady,
-    SchedulerStats,
-    Shutdown,
-)
 from radixflow.runtime.model_runner import ModelRunner, load_model, pick_device, pick_dtype
 from radixflow.runtime.models.llama import LlamaModel
-from radixflow.runtime.request import Req
+from radixflow.runtime.request import Req, RequestLimits
 from radixflow.runtime.sampling import SamplingParams
 from radixflow.runtime.scheduler import Scheduler
 from radixflow.runtime.tokenizer import (
@@ -50,7 +36,6 @@ from radixflow.runtime.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
-from radixflow.runtime.transport import IpcAddresses, PullQueue, PushQueue, remove_ipc_dir
 
 
 @dataclass
@@ -139,6 +124,10 @@ def _grammar_backend(
     )
 
 
+def _is_id_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
+
+
 def normalize_prompts(
     prompt: Any, input_ids: Any, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[list[int]], list[str | None], bool]:
@@ -163,9 +152,49 @@ def normalize_prompts(
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts], list(texts), single
 
 
+class EngineRequest:
+    """A read-only view of one submitted request, for callers that drive `Engine.step()`
+    themselves (per-request timing, arrivals during decoding). Times are time.monotonic()."""
+
+    def __init__(self, req: Req, engine: Engine) -> None:
+        self._req, self._engine = req, engine
+
+    @property
+    def rid(self) -> str:
+        return self._req.rid
+
+    @property
+    def finished(self) -> bool:
+        return self._req.finished
+
+    @property
+    def output_ids(self) -> list[int]:
+        return list(self._req.output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._req.output_ids)
+
+    @property
+    def arrival(self) -> float:
+        return self._req.arrival
+
+    @property
+    def token_times(self) -> list[float]:
+        return list(self._req.token_times)
+
+    def result(self) -> dict[str, Any]:
+        """The final {text, output_ids, meta_info} (as `generate` returns it). Raises
+        RuntimeError while the request runs."""
+        if not self._req.finished:
+            raise RuntimeError(f"request {self.rid} has not finished")
+        return self._engine.result(self._req)
+
+
 class Engine:
     """Offline engine: `generate` blocks until its requests finish (continuous batching
-    inside). Not thread-safe: use one Engine per thread, or the server for concurrency."""
+    inside); `submit` + `step` let a caller add requests while others decode. Not
+    thread-safe: use one Engine per thread (or one event loop), or the server."""
 
     def __init__(self, model: str = "smollm2", **config: Any) -> None:
         self._setup(config_from_kwargs(model=model, **config), None)
@@ -175,6 +204,9 @@ class Engine:
         bundle = build_scheduler(config, loaded)
         self.scheduler, self.tokenizer = bundle.scheduler, bundle.tokenizer
         self.model_info, self.load_seconds = bundle.model_info, bundle.load_seconds
+        self.limits = RequestLimits(
+            self.scheduler.context_len, self.scheduler.vocab_size, config.max_new_tokens_limit
+        )
         self._loaded = bundle.loaded
         self._ids = itertools.count()
 
@@ -187,6 +219,34 @@ class Engine:
         engine = Engine.__new__(Engine)
         engine._setup(self.config.replace(**changes), self._loaded)
         return engine
+
+    def submit(
+        self,
+        prompt: str | list[str] | list[int] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> list[EngineRequest]:
+        """Validate and queue requests (n per prompt, prompt-major); they run on `step()`.
+        Raises ValueError on bad input, before anything is queued."""
+        id_lists, _, _ = normalize_prompts(prompt, input_ids, self.tokenizer)
+        reqs = self._build(
+            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream
+        )
+        for req in reqs:
+            self.scheduler.add_request(req)
+        return [EngineRequest(req, self) for req in reqs]
+
+    def step(self) -> bool:
+        """Run one scheduler step (admit, forward, sample) if there is work; returns whether
+        work remains."""
+        if self.scheduler.has_work:
+            self.scheduler.step()
+        return self.scheduler.has_work
 
     def generate(
         self,
@@ -202,32 +262,10 @@ class Engine:
         """Generate for one prompt (a dict, or a list of n dicts when n > 1) or a list of
         prompts (a list of dicts, n per prompt). `stream=True` (one prompt, n == 1) returns
         an iterator of cumulative chunks. Raises ValueError on bad parameters."""
-        id_lists, texts, single = normalize_prompts(prompt, input_ids, self.tokenizer)
-        params = (
-            sampling_params
-            if isinstance(sampling_params, list)
-            else [sampling_params] * len(id_lists)
+        id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
+        reqs = self._build(
+            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream
         )
-        if len(params) != len(id_lists):
-            raise ValueError("sampling_params list must match the number of prompts")
-        sampling = [SamplingParams.from_dict(p) for p in params]
-        reqs = []
-        for ids, sp in zip(id_lists, sampling):
-            self._check_length(ids, sp)
-            for i in range(sp.n):
-                seed = None if sp.seed is None else sp.seed + i
-                child = SamplingParams.from_dict({**sp.to_dict(), "n": 1, "seed": seed})
-                reqs.append(
-                    Req(
-                        rid=f"engine-{next(self._ids)}",
-                        input_ids=list(ids),
-                        sampling=child,
-                        return_logprob=return_logprob,
-                        logprob_start_len=logprob_start_len,
-                        top_logprobs_num=top_logprobs_num,
-                        stream=stream,
-                    )
-                )
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream=True takes one prompt with n == 1")
@@ -238,6 +276,61 @@ class Engine:
             self.scheduler.step()
         results = [self.result(r) for r in reqs]
         return results[0] if single and len(results) == 1 else results
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | list[int] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        **options: Any,
+    ) -> Any:
+        """`generate` for asyncio: requests from many coroutines of one event loop batch
+        together (each waiting coroutine steps the shared scheduler, then yields)."""
+        handles = self.submit(prompt, sampling_params, **options)
+        while not all(h.finished for h in handles):
+            self.step()
+            await asyncio.sleep(0)
+        results = [h.result() for h in handles]
+        ids = options.get("input_ids")
+        single = isinstance(prompt, str) or _is_id_list(prompt) or _is_id_list(ids)
+        return results[0] if single and len(results) == 1 else results
+
+    def _build(
+        self,
+        id_lists: list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None,
+        return_logprob: bool,
+        logprob_start_len: int,
+        top_logprobs_num: int,
+        stream: bool,
+    ) -> list[Req]:
+        """One typed Req per prompt and sample; every check runs before any is queued."""
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(id_lists)
+        )
+        if len(params) != len(id_lists):
+            raise ValueError("sampling_params list must match the number of prompts")
+        reqs = []
+        for ids, p in zip(id_lists, params):
+            sampling = SamplingParams.from_dict(p)
+            self.limits.check(ids, sampling)
+            if not -1 <= logprob_start_len < len(ids):
+                raise ValueError(f"logprob_start_len must be in [-1, {len(ids)})")
+            for i in range(sampling.n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                reqs.append(
+                    Req(
+                        rid=f"engine-{next(self._ids)}",
+                        input_ids=list(ids),
+                        sampling=dataclasses.replace(sampling, n=1, seed=seed),
+                        return_logprob=return_logprob,
+                        logprob_start_len=logprob_start_len,
+                        top_logprobs_num=top_logprobs_num,
+                        stream=stream,
+                    )
+                )
+        return reqs
 
     def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
         self.scheduler.add_request(req)
@@ -255,18 +348,6 @@ class Engine:
                     "meta_info": req.meta_info(),
                 }
         yield {**self.result(req), "finished": True}
-
-    def _check_length(self, ids: list[int], sampling: SamplingParams) -> None:
-        context = self.scheduler.context_len
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= context:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length is {context}")
-        if sampling.max_new_tokens > self.config.max_new_tokens_limit:
-            raise ValueError(
-                f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "
-                f"{self.config.max_new_tokens_limit}"
-            )
 
     def result(self, req: Req) -> dict[str, Any]:
         """Final text and meta data of a finished request."""
@@ -314,165 +395,3 @@ def finished_output(req: Req, tokenizer: PreTrainedTokenizerBase) -> dict[str, A
     if req.error:
         out["error"] = req.error
     return out
-
-
-# ---- the server's scheduler process ----------------------------------------------------
-
-log = logging.getLogger("radixflow.scheduler")
-IDLE_WAIT_MS = 500  # the idle scheduler wakes this often to see whether its server lives
-STATS_INTERVAL_S = 0.25  # stats from a busy scheduler at most this often
-
-
-class SchedulerLoop:
-    """The scheduler process's one loop: drain messages (blocking only when idle), step, send
-    updates (stream requests every step, others when finished) and stats."""
-
-    def __init__(
-        self, scheduler: Any, inbox: PullQueue[Any], outbox: PushQueue[Any], parent_pid: int
-    ) -> None:
-        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
-        self.parent_pid = parent_pid
-        self.live: dict[str, Req] = {}
-        self.sent: dict[str, int] = {}  # output ids already sent, by rid
-        self.touched: list[Req] = []
-        self.failed: list[ReqUpdate] = []
-        self.dirty = True
-        self.last_stats = 0.0
-
-    def run(self) -> bool:
-        """Until a Shutdown message (returns False), or the server process is gone (True)."""
-        while os.getppid() == self.parent_pid:
-            messages = self.inbox.drain(0 if self.scheduler.has_work else IDLE_WAIT_MS)
-            if any(isinstance(m, Shutdown) for m in messages):
-                return False
-            for msg in messages:
-                self._handle(msg)
-            if self.scheduler.has_work:
-                self.touched += self.scheduler.step()
-                self.dirty = True
-            self._send_updates()
-            self._send_stats()
-        log.error("the server process is gone; the scheduler exits")
-        return True
-
-    def _handle(self, msg: Any) -> None:
-        self.dirty = True
-        if isinstance(msg, AddRequests):
-            for spec in msg.reqs:
-                self._add(spec)
-        elif isinstance(msg, AbortRequests):
-            for rid in msg.rids:
-                req = self.scheduler.abort(rid, msg.message)
-                if req is not None:
-                    self.touched.append(req)
-        elif isinstance(msg, Flush):
-            self.outbox.put(FlushDone(msg.rid, self.scheduler.tree.flush()))
-
-    def _add(self, spec: ReqSpec) -> None:
-        try:
-            sampling = SamplingParams.from_dict(spec.sampling_params)
-        except ValueError as e:
-            reason = {"type": "error", "message": str(e)}
-            self.failed.append(ReqUpdate(spec.rid, [], finished=True, finish_reason=reason))
-            return
-        req = Req(
-            rid=spec.rid,
-            input_ids=spec.input_ids,
-            sampling=sampling,
-            return_logprob=spec.return_logprob,
-            logprob_start_len=spec.logprob_start_len,
-            top_logprobs_num=spec.top_logprobs_num,
-            stream=spec.stream,
-        )
-        self.live[req.rid] = req
-        self.scheduler.add_request(req)
-        if req.finished:  # refused at once (too long for the pool, no grammar backend)
-            self.touched.append(req)
-
-    def _send_updates(self) -> None:
-        self.touched += [req for req in self.live.values() if req.finished]  # none is missed
-        updates, self.failed = self.failed, []
-        for req in self.touched:
-            update = self._update(req) if req.rid in self.live else None
-            if update is not None:
-                updates.append(update)
-        self.touched = []
-        if any(update.finished for update in updates):
-            # Stats first: a client that reads them after its final reply sees its request.
-            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
-            self.last_stats = time.monotonic()
-        if updates:
-            self.outbox.put(RequestUpdates(updates))
-
-    def _update(self, req: Req) -> ReqUpdate | None:
-        sent = self.sent.get(req.rid, 0)
-        if not req.finished and (not req.stream or len(req.output_ids) == sent):
-            return None
-        new = {
-            "new_ids": req.output_ids[sent:],
-            "new_logprobs": req.output_logprobs[sent:],
-            "new_top_logprobs": req.output_top_logprobs[sent:],
-        }
-        if not req.finished:
-            self.sent[req.rid] = len(req.output_ids)
-            return ReqUpdate(req.rid, **new, meta_info=_progress_meta(req))
-        del self.live[req.rid]
-        self.sent.pop(req.rid, None)
-        return ReqUpdate(
-            req.rid,
-            **new,
-            meta_info=req.meta_info(),
-            finished=True,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            input_logprobs=req.input_logprobs,
-            input_top_logprobs=req.input_top_logprobs,
-        )
-
-    def _send_stats(self) -> None:
-        now = time.monotonic()
-        if not self.scheduler.has_work:
-            if self.dirty:
-                self.outbox.put(SchedulerStats(self.scheduler.stats(), self._idle_check()))
-                self.dirty, self.last_stats = False, now
-        elif now - self.last_stats >= STATS_INTERVAL_S:
-            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
-            self.last_stats = now
-
-    def _idle_check(self) -> str:
-        """The leak check at idle: every slot is free or in the tree, no lock is held."""
-        try:
-            self.scheduler.check_invariants()
-        except AssertionError as e:
-            log.error("idle check failed: %s", e)
-            return f"failed: {e}"
-        return "ok"
-
-
-def _progress_meta(req: Req) -> dict[str, Any]:
-    """The counts of a running request (cheap, unlike the final `meta_info()`)."""
-    return {
-        "prompt_tokens": len(req.input_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": max(req.cached_tokens, 0),
-        "finish_reason": None,
-    }
-
-
-def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int) -> None:
-    """The scheduler process: load the model, say ready, loop until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server decides
-    ctx = zmq.Context()
-    inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
-    outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
-    bundle = build_scheduler(config)
-    outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
-    try:
-        if SchedulerLoop(bundle.scheduler, inbox, outbox, parent_pid).run():
-            remove_ipc_dir(addresses)  # nobody else will
-    finally:
-        if bundle.scheduler.grammars is not None:
-            bundle.scheduler.grammars.shutdown()
-        inbox.close()
-        outbox.close()
-        ctx.term()

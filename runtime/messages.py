@@ -69,7 +69,8 @@ Replies (server -> client), every one carrying the request's rid:
     a request the server or scheduler could not serve ends with an `error`.
 
 Server <-> scheduler (ipc, same envelope, never seen by clients):
-    server -> scheduler: add_requests (a batch of ReqSpec, admitted in the same step),
+    server -> scheduler: add_requests (a batch of ReqSpec, admitted in the same step; each
+        carries its SamplingParams typed, as validated by the server, never re-parsed),
         abort_requests (rids), flush (rid), shutdown
     scheduler -> server: scheduler_ready (model_info, pid) once at start, request_updates (a
         batch of ReqUpdate after each step: stream requests every step they produce tokens,
@@ -90,6 +91,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
+
+from radixflow.runtime.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 PING_INTERVAL_S = 1.0
@@ -224,7 +227,7 @@ class ReqSpec:
 
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]
+    sampling: SamplingParams  # validated once where the request entered (server or Engine)
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -327,8 +330,10 @@ def _to_map(obj: Any) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return _to_map(value)
-    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+    if isinstance(value, (list, tuple)) and value and dataclasses.is_dataclass(value[0]):
         return [_to_map(v) for v in value]
+    if isinstance(value, tuple):
+        return list(value)
     return value
 
 
@@ -463,6 +468,8 @@ def _check(value: Any, hint: Any, where: str, rid: str) -> Any:
                 return _check(value, arg, where, rid)
     elif origin is list:
         return _check_list(value, typing.get_args(hint)[0], where, rid)
+    elif origin is tuple:  # only tuple[X, ...]
+        return tuple(_check_list(value, typing.get_args(hint)[0], where, rid))
     elif origin is dict:
         if isinstance(value, dict):
             return value  # string keys are guaranteed by strict_map_key
@@ -497,7 +504,7 @@ def _matches_shallow(value: Any, hint: Any) -> bool:
     if hint is str:
         return isinstance(value, str)
     origin = typing.get_origin(hint)
-    if origin is list:
+    if origin in (list, tuple):
         return isinstance(value, list)
     if origin is dict or dataclasses.is_dataclass(hint):
         return isinstance(value, dict)

@@ -612,14 +612,9 @@ class Scheduler:
         return req
 
     def _check_fits(self, req: Req) -> str | None:
-        """Why `req` can never run, or None. It never holds more than the context's slots."""
+        """Why `req` can never run, or None. It never holds more than the context's slots.
+        (Prompt lengths and ids were checked where the request entered: RequestLimits.)"""
         need = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_len)
-        if len(req.input_ids) == 0:
-            return "empty prompt"
-        if not all(t < self.vocab_size for t in req.sampling.stop_token_ids):
-            return f"stop_token_ids must lie in [0, {self.vocab_size})"
-        if len(req.input_ids) >= self.context_len:
-            return f"prompt has {len(req.input_ids)} tokens; the context holds {self.context_len}"
         if need > self.pool.capacity_pages * self.pool.page_size:
             return (
                 f"request needs {need} KV slots (prompt + max_new_tokens) but the pool holds "

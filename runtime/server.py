@@ -4,12 +4,12 @@ One loop (`Server.serve`): poll the client ROUTER socket and the scheduler's PUL
 client frames into scheduler requests (or answer them at once: errors, health, stats,
 model_info never wait on the model), turn scheduler updates into replies, then housekeeping
 (scheduler alive? clients alive? log line). The scheduler runs in its own process
-(`SchedulerLoop` / `run_scheduler`, at the end of this file until they move beside the Engine);
-if it dies, every request in flight gets an error, the server reports unhealthy and starts a
-new one. The protocol is in `runtime/messages.py`.
+(runtime/scheduler_loop.py); if it dies, every request in flight gets an error, the server
+reports unhealthy and starts a new one. The protocol is in `runtime/messages.py`.
 
-Why this file is long: it holds both process loops and the Job classes that turn scheduler
-updates into replies (generate, score, cache_prefix, flush), each small.
+Requests are validated once, here: sampling parameters into a frozen SamplingParams that
+travels typed to the scheduler, prompts against `RequestLimits` (the one length/vocabulary
+check, shared with the offline Engine).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from radixflow.runtime.messages import (
     decode_with_key,
     encode,
 )
+from radixflow.runtime.request import RequestLimits
 from radixflow.runtime.sampling import SamplingParams
 from radixflow.runtime.tokenizer import IncrementalDetokenizer, build_output, trim_at_stop
 from radixflow.runtime.transport import (
@@ -104,12 +105,15 @@ class RequestError(ValueError):
         self.code = code
 
 
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)
+
+
 def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
     """A prefill-only request; input logprobs from `logprob_start_len` (-1: none)."""
     return ReqSpec(
         "",
         ids,
-        {"max_new_tokens": 0},
+        PREFILL_ONLY,
         return_logprob=logprob_start_len >= 0,
         logprob_start_len=logprob_start_len,
     )
@@ -471,7 +475,7 @@ class Server:
         self._check_new(msg.rid)
         ids = self._prompt_ids(msg.text, msg.input_ids)
         sampling = self._sampling(msg.sampling_params)
-        self._check_length(ids, sampling.max_new_tokens)
+        self._check_limits(ids, sampling)
         if not -1 <= msg.logprob_start_len < len(ids):
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
@@ -484,7 +488,7 @@ class Server:
         spec = ReqSpec(
             "",
             ids,
-            sampling.to_dict(),
+            sampling,
             stream=msg.stream,
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
@@ -504,13 +508,12 @@ class Server:
         if msg.unconditional:
             specs += [prefill_spec(ids, 0) for ids in conts]
         for spec in specs:
-            self._check_length(spec.input_ids, 0)
+            self._check_limits(spec.input_ids, None)
         self._dispatch(ScoreJob(identity, msg, conts), specs)
 
     def _on_cache_prefix(self, identity: bytes, msg: CachePrefix) -> None:
         self._check_new(msg.rid)
         ids = self._prompt_ids(msg.text, None)
-        self._check_length(ids, 0)
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
@@ -579,12 +582,7 @@ class Server:
         if (text is None) == (input_ids is None):
             raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
         ids = self._encode(text) if text is not None else input_ids
-        if not ids:
-            raise RequestError(ERROR_INVALID_REQUEST, "the prompt is empty")
-        self._check_length(ids, 0)
-        vocab = self.model_info["vocab_size"]
-        if not all(0 <= t < vocab for t in ids):
-            raise RequestError(ERROR_INVALID_REQUEST, f"input_ids must lie in [0, {vocab})")
+        self._check_limits(ids, None)
         return ids
 
     def _sampling(self, params: dict[str, Any]) -> SamplingParams:
@@ -594,24 +592,18 @@ class Server:
             raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
         if sampling.n != 1:
             raise RequestError(ERROR_INVALID_REQUEST, "n must be 1 here; send n requests")
-        vocab = self.model_info["vocab_size"]
-        if not all(t < vocab for t in sampling.stop_token_ids):
-            raise RequestError(ERROR_INVALID_REQUEST, f"stop_token_ids must lie in [0, {vocab})")
         return sampling
 
-    def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
-        context = self.model_info["context_length"]
-        if len(ids) >= context:
-            raise RequestError(
-                ERROR_INVALID_REQUEST,
-                f"the prompt has {len(ids)} tokens; the context length is {context}",
-            )
-        if max_new_tokens > self.config.max_new_tokens_limit:
-            raise RequestError(
-                ERROR_INVALID_REQUEST,
-                f"max_new_tokens={max_new_tokens} exceeds the limit "
-                f"{self.config.max_new_tokens_limit}",
-            )
+    def _check_limits(self, ids: list[int], sampling: SamplingParams | None) -> None:
+        limits = RequestLimits(
+            self.model_info["context_length"],
+            self.model_info["vocab_size"],
+            self.config.max_new_tokens_limit,
+        )
+        try:
+            limits.check(ids, sampling)
+        except ValueError as e:
+            raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
 
     # ---- jobs -----------------------------------------------------------------------------
 
@@ -750,6 +742,3 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     finally:
         server.close()
     return 0
-
-
-# ---- the scheduler process ----------------------------------------------------------------
