@@ -3,8 +3,10 @@
 A backend's template is derived from the model's own Jinja chat template (its `model_info`):
 rendering a few messages with marker contents yields each role's prefix and suffix, the
 default system prompt the template inserts when a conversation starts without one (SmolLM2
-does), and the stop string that ends an assistant turn (`<|im_end|>` for ChatML). When the
-template cannot be rendered or is not of that shape, SGLang's `default` template is used.
+does), and the stop string that ends an assistant turn (`<|im_end|>` for ChatML). A model
+without a template gets SGLang's `default` one. A template that cannot be rendered or split
+into role blocks is never swapped silently for another format: the first role a program uses
+raises ChatTemplateError naming the model and the reason (pass `chat_template=` to choose one).
 """
 
 from __future__ import annotations
@@ -19,15 +21,23 @@ logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
 
 
+class ChatTemplateError(ValueError):
+    """The served model's chat template cannot give role prefixes and suffixes."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     name: str
     role_prefix_and_suffix: dict[str, tuple[str, str]]
     default_system_prompt: str | None = None
     stop_str: tuple[str, ...] = ()
+    error: str | None = None  # set when the model's template is unusable (see module doc)
 
     def get_prefix_and_suffix(self, role: str) -> tuple[str, str]:
-        """Raises ValueError for a role the template does not have."""
+        """Raises ValueError for a role the template does not have, ChatTemplateError when
+        the model's template could not be used."""
+        if self.error is not None:
+            raise ChatTemplateError(self.error)
         if role not in self.role_prefix_and_suffix:
             raise ValueError(f"chat template {self.name!r} has no role {role!r}")
         return self.role_prefix_and_suffix[role]
@@ -56,17 +66,23 @@ def get_chat_template(name: str) -> ChatTemplate:
 
 
 def template_for_model(model_info: dict[str, Any]) -> ChatTemplate:
-    """The template of a served model, from its Jinja source; `default` if none fits."""
+    """The template of a served model, from its Jinja source; `default` if it has none. An
+    unusable template gives a ChatTemplate whose roles raise ChatTemplateError."""
     source = model_info.get("chat_template")
     if not source:
         return TEMPLATES["default"]
     try:
         render = _jinja_renderer(source, model_info)
         return derive_template(render)
-    except Exception as e:  # a template we cannot render or split: fall back, say why
-        name = model_info.get("model")
-        logger.warning("chat template of %s not usable (%s); using 'default'", name, e)
-        return TEMPLATES["default"]
+    except Exception as e:  # jinja raises many kinds; each becomes the same clear error
+        name = model_info.get("model") or model_info.get("model_path") or "the model"
+        message = (
+            f"the chat template of {name} cannot be split into role blocks "
+            f"({type(e).__name__}: {e}); pass chat_template='chatml', 'default' or a "
+            "ChatTemplate to run(), or serve the model with another template"
+        )
+        logger.warning("%s", message)
+        return ChatTemplate("unusable", {}, error=message)
 
 
 Render = Callable[[list[dict[str, str]]], str]

@@ -7,7 +7,8 @@ up every later constrained request; so compilation runs in `workers` child proce
 (`python -m radixflow.runtime.grammar_compiler FD`), started on first use and fed over a
 socket pair: first the vocabulary, then one grammar key at a time. A compilation past
 `timeout_s` kills its worker (a fresh one starts for the next key) and resolves to a
-GrammarError; the compiled Index comes back pickled. Workers die with their parent
+GrammarError. Frames are msgpack (no pickle): the compiled Index travels as outlines-core's
+own binary form (`Index.from_binary`). Workers die with their parent
 (PR_SET_PDEATHSIG) and exit when the socket closes.
 
 Also here, because the workers need them: the regex of each grammar kind and the build of the
@@ -30,6 +31,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import msgpack
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
@@ -137,7 +139,7 @@ class _Worker:
         self.process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.conn.send(setup)
+        _send(self.conn, setup)
         self.job: tuple[GrammarKey, Future[Any]] | None = None
         self.deadline = 0.0
 
@@ -232,7 +234,7 @@ class CompilerPool:
                     return
                 key, future = self._queue.popleft()
             try:
-                idle.conn.send(key)
+                _send(idle.conn, list(key))
             except OSError:  # died while idle: replace it, the key goes back to the front
                 self._workers.remove(idle)
                 idle.kill()
@@ -244,11 +246,12 @@ class CompilerPool:
     def _collect(self, worker: _Worker) -> None:
         assert worker.job is not None
         try:
-            status, value = worker.conn.recv()
-        except (EOFError, OSError) as e:
+            status, value = _recv(worker.conn)
+            result = Index.from_binary(value) if status == "ok" else GrammarError(value)
+        except (EOFError, OSError, ValueError, msgpack.UnpackException) as e:
             self._retire(worker, f"crashed the grammar compiler ({e!r})")
             return
-        worker.job[1].set_result(value if status == "ok" else GrammarError(value))
+        worker.job[1].set_result(result)
         worker.job = None
 
     def _retire(self, worker: _Worker, problem: str) -> None:
@@ -264,18 +267,36 @@ class CompilerPool:
 def _worker_main(fd: int, parent: int) -> None:
     _die_with_parent(parent)
     conn = Connection(fd)
-    token_ids, eos_token_id, whitespace_pattern = conn.recv()
+    token_ids, eos_token_id, whitespace_pattern = _recv(conn)
     vocabulary, byte_vocab = Vocabulary(eos_token_id, token_ids), bytes_vocabulary()
     while True:
         try:
-            key = conn.recv()
+            kind, text = _recv(conn)
         except EOFError:
             return
         try:
-            reply = ("ok", compile_index(key, vocabulary, byte_vocab, whitespace_pattern))
+            index = compile_index((kind, text), vocabulary, byte_vocab, whitespace_pattern)
+            reply = ["ok", index_to_bytes(index)]
         except GrammarError as e:
-            reply = ("error", str(e))
-        conn.send(reply)
+            reply = ["error", str(e)]
+        _send(conn, reply)
+
+
+def index_to_bytes(index: Index) -> bytes:
+    """outlines-core's binary form of `index`, the input of `Index.from_binary`. The Index
+    exposes it only through its pickle hook, so we call that hook and take its argument."""
+    rebuild, (binary,) = index.__reduce__()
+    assert rebuild == Index.from_binary and isinstance(binary, bytes), f"{rebuild=}"
+    return binary
+
+
+def _send(conn: Connection, value: Any) -> None:
+    conn.send_bytes(msgpack.packb(value, use_bin_type=True))
+
+
+def _recv(conn: Connection) -> Any:
+    """One msgpack frame (the token vocabulary's keys are bytes, hence no strict map keys)."""
+    return msgpack.unpackb(conn.recv_bytes(), raw=False, strict_map_key=False)
 
 
 def _die_with_parent(parent: int) -> None:

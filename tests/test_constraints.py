@@ -561,3 +561,38 @@ def test_copy_is_independent(backend: GrammarBackend, smollm2: Any) -> None:
     assert copy.is_terminated() and not grammar.is_terminated()
     grammar.accept(vocab["x"])
     assert grammar.is_terminated()
+
+
+def test_grammar_workers_speak_msgpack_not_pickle() -> None:
+    """A worker process answers msgpack frames: the vocabulary, then a key, gets back
+    ["ok", <outlines-core binary>] (loadable with Index.from_binary) or ["error", message]."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from multiprocessing.connection import Connection
+
+    import msgpack
+
+    ours, theirs = socket.socketpair()
+    cmd = [sys.executable, "-m", "radixflow.runtime.grammar_compiler", str(theirs.fileno())]
+    proc = subprocess.Popen([*cmd, str(os.getpid())], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    conn = Connection(ours.detach())
+    try:
+        vocab = {b"a": [0], b"b": [1], b"ab": [2]}
+        conn.send_bytes(msgpack.packb([vocab, 3, None], use_bin_type=True))
+        conn.send_bytes(msgpack.packb(["regex", "(ab)+"], use_bin_type=True))
+        assert conn.poll(60)
+        status, binary = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        assert status == "ok" and isinstance(binary, bytes)
+        index = Index.from_binary(binary)
+        state = index.get_next_state(index.get_initial_state(), 2)  # "ab"
+        assert state is not None and index.get_next_state(state, 1) is None  # "b" cannot follow
+        conn.send_bytes(msgpack.packb(["regex", "([a-z"], use_bin_type=True))
+        assert conn.poll(60)
+        status, message = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        assert status == "error" and "invalid regex" in message
+    finally:
+        conn.close()
+        proc.wait(30)

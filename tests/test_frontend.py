@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import radixflow as sgl
-from radixflow.chat_template import template_for_model
+from radixflow.chat_template import ChatTemplateError, template_for_model
 from radixflow.choices import ChoicesDecision
 from radixflow.interpreter import resolve_sampling
 from radixflow.ir import Constant, ExprList, Gen, RoleBegin, RoleEnd, Select
@@ -275,8 +275,28 @@ def test_template_derivation_from_jinja() -> None:
         "{% endfor %}"
     )
     assert template_for_model({"chat_template": plain}).default_system_prompt is None
-    assert template_for_model({"chat_template": "{{ raise_exception('no') }}"}).name == "default"
     assert template_for_model({}).name == "default"
+    broken = template_for_model({"model": "m1", "chat_template": "{{ raise_exception('no') }}"})
+    with pytest.raises(ChatTemplateError, match="chat template of m1.*no"):
+        broken.get_prefix_and_suffix("user")
+
+
+def test_unusable_template_fails_role_programs_only() -> None:
+    """A model template that cannot be split is an error naming it when a program uses a
+    role, never a silent switch to another format; programs without roles still run."""
+
+    class BrokenTemplateBackend(FakeBackend):
+        def model_info(self) -> dict[str, Any]:
+            return {"model": "m1", "chat_template": "{% if %}"}
+
+    @sgl.function
+    def chat(s: Any) -> None:
+        s += sgl.user("Hi") + sgl.assistant(sgl.gen("a", max_tokens=2))
+
+    state = chat.run(backend=BrokenTemplateBackend())
+    assert isinstance(state.error(), ChatTemplateError) and "m1" in str(state.error())
+    state = qa.run(question="2+2?", backend=BrokenTemplateBackend())
+    assert state.error() is None and isinstance(state["answer"], str)
 
 
 def test_nested_role_is_an_error() -> None:
