@@ -8,10 +8,14 @@ scheduler never touches a tensor; the runner turns the plan into tensors in one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixflow.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from radixflow.runtime.request import Req
 
 I64 = np.int64
 
@@ -53,3 +57,112 @@ class StepResult:
     target_logprobs: np.ndarray  # (R,) logprob of logprob_targets (NaN where -1)
     top_logprobs: np.ndarray | None = None  # (R, k) values
     top_ids: np.ndarray | None = None  # (R, k)
+
+
+# ---- building a plan from the step's requests ----------------------------------------------
+
+
+def build_plan(
+    extends: list[Req], decodes: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> tuple[BatchPlan, list[Req]]:
+    """The step's flat ragged batch: extend rows (each request's new tokens, after its
+    cached prefix), then one row per decode. Returns the plan and the requests that sample,
+    in sample-row order. Consumes each extend's pending copy-on-write."""
+    input_ids, positions, out_slots = [], [], []
+    qo, kv, kv_indices = [0], [0], []
+    logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
+    copy_src, copy_dst = [], []
+    row = 0
+    for req in extends:
+        start, end = req.kv_len, req.extend_target
+        fill = req.fill_ids
+        input_ids.append(fill[start:end])
+        positions.append(np.arange(start, end, dtype=I64))
+        out_slots.append(req.slots[start:end])
+        kv_indices.append(req.slots[:start])
+        qo.append(qo[-1] + end - start)
+        kv.append(kv[-1] + start)
+        if req.copy_src is not None:
+            copy_src.append(req.copy_src)
+            copy_dst.append(req.copy_dst)
+            req.copy_src = None
+        for p in req.input_logprob_positions(start, end):
+            logit_rows.append(row + p - start)
+            targets.append(req.input_ids[p + 1])
+        if end == req.seq_len and req.remaining_new_tokens() > 0:
+            sample_rows.append(len(logit_rows))
+            logit_rows.append(row + end - 1 - start)
+            targets.append(-1)
+            sample_reqs.append(req)
+        row += end - start
+    num_extend = row
+    dkv, dkv_indices = [0], []
+    for req in decodes:
+        slot = int(req.slots[req.kv_len])
+        input_ids.append([req.output_ids[-1]])
+        positions.append(np.array([req.kv_len], dtype=I64))
+        out_slots.append(np.array([slot], dtype=I64))
+        dkv_indices.append(req.slots[: req.kv_len + 1])
+        dkv.append(dkv[-1] + req.kv_len + 1)
+        sample_rows.append(len(logit_rows))
+        logit_rows.append(row)
+        targets.append(-1)
+        sample_reqs.append(req)
+        row += 1
+    cat = lambda parts: (
+        np.concatenate([np.asarray(p, dtype=I64) for p in parts]) if parts else np.zeros(0, I64)
+    )
+    plan = BatchPlan(
+        input_ids=cat(input_ids),
+        positions=cat(positions),
+        out_slots=cat(out_slots),
+        num_extend_tokens=num_extend,
+        extend_qo_indptr=np.asarray(qo, I64),
+        extend_kv_indptr=np.asarray(kv, I64),
+        extend_kv_indices=cat(kv_indices),
+        decode_kv_indptr=np.asarray(dkv, I64),
+        decode_kv_indices=cat(dkv_indices),
+        logit_rows=np.asarray(logit_rows, I64),
+        logprob_targets=np.asarray(targets, I64),
+        sample_rows=np.asarray(sample_rows, I64),
+        copy_src=cat(copy_src),
+        copy_dst=cat(copy_dst),
+    )
+    _fill_sampling(plan, sample_reqs, extends, vocab_size, eos_token_ids)
+    return plan, sample_reqs
+
+
+def _fill_sampling(
+    plan: BatchPlan,
+    sample_reqs: list[Req],
+    extends: list[Req],
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+) -> None:
+    plan.sampling = [r.sampling for r in sample_reqs]
+    plan.sample_seeds = [
+        None
+        if r.sampling.seed is None
+        else (r.sampling.seed * 1_000_003 + len(r.output_ids)) % 2**63
+        for r in sample_reqs
+    ]
+    plan.output_ids = [r.output_ids for r in sample_reqs]
+    plan.banned_ids = [_banned(r, eos_token_ids) for r in sample_reqs]
+    plan.top_logprobs_num = max(
+        (r.top_logprobs_num for r in extends + sample_reqs if r.return_logprob), default=0
+    )
+    if any(r.grammar is not None for r in sample_reqs):
+        words = (vocab_size + 31) // 32
+        masks = np.full((len(sample_reqs), words), -1, dtype=np.int32)
+        for i, req in enumerate(sample_reqs):
+            if req.grammar is not None:
+                masks[i] = 0
+                req.grammar.fill_mask(masks[i])
+        plan.vocab_masks = masks
+
+
+def _banned(req: Req, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Ending tokens are banned until min_new_tokens outputs exist."""
+    if len(req.output_ids) >= req.sampling.min_new_tokens:
+        return ()
+    return eos_token_ids + req.sampling.stop_token_ids

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from radixflow.runtime.batch import I64, BatchPlan, StepResult
+from radixflow.runtime.batch import I64, BatchPlan, StepResult, build_plan
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.radix_cache import RadixCache
@@ -140,7 +140,7 @@ class Scheduler:
                 self.new_token_ratio = self.init_ratio
             return updated
         try:
-            plan, sample_reqs = self._plan(extends, decodes)
+            plan, sample_reqs = build_plan(extends, decodes, self.vocab_size, self.eos_token_ids)
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
             updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
@@ -338,70 +338,6 @@ class Scheduler:
 
     # ---- the plan --------------------------------------------------------------------------
 
-    def _plan(self, extends: list[Req], decodes: list[Req]) -> tuple[BatchPlan, list[Req]]:
-        input_ids, positions, out_slots = [], [], []
-        qo, kv, kv_indices = [0], [0], []
-        logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
-        copy_src, copy_dst = [], []
-        row = 0
-        for req in extends:
-            start, end = req.kv_len, req.extend_target
-            fill = req.fill_ids
-            input_ids.append(fill[start:end])
-            positions.append(np.arange(start, end, dtype=I64))
-            out_slots.append(req.slots[start:end])
-            kv_indices.append(req.slots[:start])
-            qo.append(qo[-1] + end - start)
-            kv.append(kv[-1] + start)
-            if req.copy_src is not None:
-                copy_src.append(req.copy_src)
-                copy_dst.append(req.copy_dst)
-                req.copy_src = None
-            for p in req.input_logprob_positions(start, end):
-                logit_rows.append(row + p - start)
-                targets.append(req.input_ids[p + 1])
-            if end == req.seq_len and req.remaining_new_tokens() > 0:
-                sample_rows.append(len(logit_rows))
-                logit_rows.append(row + end - 1 - start)
-                targets.append(-1)
-                sample_reqs.append(req)
-            row += end - start
-        num_extend = row
-        dkv, dkv_indices = [0], []
-        for req in decodes:
-            slot = int(req.slots[req.kv_len])
-            input_ids.append([req.output_ids[-1]])
-            positions.append(np.array([req.kv_len], dtype=I64))
-            out_slots.append(np.array([slot], dtype=I64))
-            dkv_indices.append(req.slots[: req.kv_len + 1])
-            dkv.append(dkv[-1] + req.kv_len + 1)
-            sample_rows.append(len(logit_rows))
-            logit_rows.append(row)
-            targets.append(-1)
-            sample_reqs.append(req)
-            row += 1
-        cat = lambda parts: (
-            np.concatenate([np.asarray(p, dtype=I64) for p in parts]) if parts else np.zeros(0, I64)
-        )
-        plan = BatchPlan(
-            input_ids=cat(input_ids),
-            positions=cat(positions),
-            out_slots=cat(out_slots),
-            num_extend_tokens=num_extend,
-            extend_qo_indptr=np.asarray(qo, I64),
-            extend_kv_indptr=np.asarray(kv, I64),
-            extend_kv_indices=cat(kv_indices),
-            decode_kv_indptr=np.asarray(dkv, I64),
-            decode_kv_indices=cat(dkv_indices),
-            logit_rows=np.asarray(logit_rows, I64),
-            logprob_targets=np.asarray(targets, I64),
-            sample_rows=np.asarray(sample_rows, I64),
-            copy_src=cat(copy_src),
-            copy_dst=cat(copy_dst),
-        )
-        self._fill_sampling(plan, sample_reqs, extends)
-        return plan, sample_reqs
-
     def _alloc_decode_slot(self, req: Req) -> int:
         """The slot for position kv_len: next in the request's own last page, or a new page
         (`_make_decode_room` guaranteed one is free)."""
@@ -415,34 +351,6 @@ class Scheduler:
             slot = pages[0] * size
         req.set_slots(req.kv_len, np.array([slot], dtype=I64))
         return slot
-
-    def _fill_sampling(self, plan: BatchPlan, sample_reqs: list[Req], extends: list[Req]) -> None:
-        plan.sampling = [r.sampling for r in sample_reqs]
-        plan.sample_seeds = [
-            None
-            if r.sampling.seed is None
-            else (r.sampling.seed * 1_000_003 + len(r.output_ids)) % 2**63
-            for r in sample_reqs
-        ]
-        plan.output_ids = [r.output_ids for r in sample_reqs]
-        plan.banned_ids = [self._banned(r) for r in sample_reqs]
-        plan.top_logprobs_num = max(
-            (r.top_logprobs_num for r in extends + sample_reqs if r.return_logprob), default=0
-        )
-        if any(r.grammar is not None for r in sample_reqs):
-            words = (self.vocab_size + 31) // 32
-            masks = np.full((len(sample_reqs), words), -1, dtype=np.int32)
-            for i, req in enumerate(sample_reqs):
-                if req.grammar is not None:
-                    masks[i] = 0
-                    req.grammar.fill_mask(masks[i])
-            plan.vocab_masks = masks
-
-    def _banned(self, req: Req) -> tuple[int, ...]:
-        """Ending tokens are banned until min_new_tokens outputs exist."""
-        if len(req.output_ids) >= req.sampling.min_new_tokens:
-            return ()
-        return self.eos_token_ids + req.sampling.stop_token_ids
 
     # ---- after the forward -----------------------------------------------------------------
 
