@@ -1,9 +1,12 @@
-"""Attention ops with one signature for two backends.
+"""Attention ops with one signature for every backend, and the dispatch between them.
 
-`radixflow.kernels.extend_attention` / `decode_attention` / `store_kv` run the Triton kernels
-for CUDA tensors and the torch reference (`radixflow.kernels.reference`) otherwise:
-`get_ops(backend, device)` returns the ops object a model is built with (no global state);
-`backend="torch"` or `"triton"` forces either (ServerConfig.attention_backend).
+`get_ops(backend, device)` returns the ops object a model is built with (no global state):
+  reference  `radixflow.kernels.reference`, the plain-torch spec (any device; slow)
+  torch      the CPU fast path `radixflow.kernels.cpu_attention` on CPU, the reference elsewhere
+             (the fast path calls torch's fused CPU attention kernel)
+  triton     the Triton kernels (`decode_attention`, `extend_attention`)
+  auto       Triton on CUDA, the CPU fast path on CPU, the reference elsewhere
+`ServerConfig.attention_backend` chooses among them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-from radixflow.kernels import reference
+from radixflow.kernels import cpu_attention, reference
 
 
 @dataclass(frozen=True)
@@ -32,27 +35,36 @@ class AttentionOps:
 
 
 REFERENCE_OPS = AttentionOps(
+    "reference", reference.extend_attention, reference.decode_attention, reference.store_kv
+)
+
+CPU_OPS = AttentionOps(
     "torch",
-    reference.extend_attention,
-    reference.decode_attention,
+    cpu_attention.extend_attention,
+    cpu_attention.decode_attention,
     reference.store_kv,
-    reference.make_layout,
-    reference.decode_layout,
+    cpu_attention.make_layout,
+    cpu_attention.decode_layout,
 )
 
 
 def triton_ops() -> AttentionOps:
-    """The Triton kernels (imported lazily: triton is optional on CPU machines)."""
-    from radixflow.kernels.decode_attention import decode_attention
+    """The Triton kernels (imported lazily: triton is optional on CPU machines). Decode
+    reads KV runs shared by several requests once per group (`decode_layout`)."""
+    from radixflow.kernels.decode_attention import decode_attention, decode_layout
     from radixflow.kernels.extend_attention import extend_attention
 
-    return AttentionOps("triton", extend_attention, decode_attention, reference.store_kv)
+    return AttentionOps(
+        "triton", extend_attention, decode_attention, reference.store_kv, None, decode_layout
+    )
 
 
 def get_ops(backend: str, device: torch.device) -> AttentionOps:
-    """`auto` picks Triton on CUDA and the torch reference elsewhere."""
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return REFERENCE_OPS
-    if backend in ("triton", "auto"):
+    """The ops of `backend` (see the module docstring) for tensors on `device`."""
+    if backend not in ("reference", "torch", "triton", "auto"):
+        raise ValueError(f"unknown attention backend {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         return triton_ops()
-    raise ValueError(f"unknown attention backend {backend!r}")
+    if backend != "reference" and device.type == "cpu":
+        return CPU_OPS
+    return REFERENCE_OPS

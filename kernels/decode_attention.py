@@ -4,55 +4,35 @@ Same signature and semantics as `radixflow.kernels.reference.decode_attention`.
 Stage 1 (grid: batch, KV-head tiles, splits) attends the query heads of one KV head, as a
 `[BLOCK_H, D]` tile, to one contiguous split of the request's pooled KV and writes the
 split's normalized output and log-sum-exp. Stage 2 (grid: batch, heads) merges the splits
-with their log-sum-exps. Both stages derive a split's range from `_split_range`, so stage 2
-reads exactly the splits stage 1 wrote (empty splits are never written and never read).
+with their log-sum-exps, and with the request's shared-prefix entries when a `layout` is
+given (`radixflow.kernels.shared_prefix_attention`). Both stages derive a split's range
+from `_split_range`, so stage 2 reads exactly the splits stage 1 wrote (empty splits are
+never written and never read).
 Math runs in fp32; the output comes back in q's dtype.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from radixflow.kernels.online_softmax import (
+    FLOAT_DTYPES,
+    check_index_tensor,
+    interpreting,
+    online_softmax_step,
+)
+from radixflow.kernels.shared_prefix_attention import (
+    DecodeLayout,
+    decode_layout,
+    shared_prefix_attention,
+)
+
+__all__ = ["BLOCK_H", "BLOCK_N", "decode_attention", "decode_layout"]
+
 BLOCK_H = 16  # query heads per tile: tl.dot needs every dim >= 16; padding heads are masked
 BLOCK_N = 32  # keys per loop step, also the granularity of split boundaries
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@triton.jit
-def online_softmax_step(
-    q,  # (ROWS, BLOCK_D)
-    k,  # (BLOCK_N, BLOCK_D)
-    v,  # (BLOCK_N, BLOCK_D)
-    visible,  # (ROWS, BLOCK_N) or broadcastable: which scores take part
-    row_max,  # (ROWS,) running max of the scores
-    row_sum,  # (ROWS,) running sum of exp(score - row_max)
-    acc,  # (ROWS, BLOCK_D) running sum of exp(score - row_max) * v, fp32
-    sm_scale,
-    UPCAST: tl.constexpr,
-):
-    """One flash-attention step: fold keys k / values v into (row_max, row_sum, acc).
-
-    A row with no visible key in this step keeps its state unchanged as long as it saw a
-    visible key before (its row_max is finite); callers order the steps so that is always
-    true, which keeps `-inf - (-inf)` (NaN) out of the rescale. UPCAST runs the dots in
-    fp32 (callers then pass an fp32 q): the interpreter's bf16 `tl.dot` is wrong.
-    """
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (ROWS, BLOCK_N)
-    scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1))  # (ROWS,)
-    alpha = tl.exp(row_max - new_max)  # (ROWS,) exp(-inf) = 0 on the first step
-    p = tl.exp(scores - new_max[:, None])  # (ROWS, BLOCK_N)
-    row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return new_max, row_sum, acc
 
 
 @triton.jit
@@ -153,6 +133,10 @@ def _decode_merge_kernel(
     part_lse_ptr,
     out_ptr,
     kv_indptr_ptr,
+    shared_out_ptr,
+    shared_lse_ptr,
+    row_entry_indptr_ptr,
+    row_entries_ptr,
     num_kv_splits,
     head_dim,
     stride_pob,
@@ -163,11 +147,17 @@ def _decode_merge_kernel(
     stride_pls,
     stride_ob,
     stride_oh,
+    stride_soe,
+    stride_soh,
+    stride_sle,
+    stride_slh,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
-    """Stage 2: out[b, h] = Σ_s e^{lse_s} o_s / Σ_s e^{lse_s} over the non-empty splits s.
+    """Stage 2: out[b, h] = Σ_s e^{lse_s} o_s / Σ_s e^{lse_s} over the non-empty splits s
+    and, with HAS_SHARED, over the request's shared-run entries (`shared_prefix_attention`).
 
     A request with no KV at all gets zeros (the reference's answer), not NaN.
     """
@@ -183,28 +173,35 @@ def _decode_merge_kernel(
 
     lse_ptrs = part_lse_ptr + batch * stride_plb + head * stride_plh + splits * stride_pls
     lse = tl.load(lse_ptrs, mask=written, other=float("-inf"))  # (BLOCK_S,)
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no split: all weights 0
-    weights = tl.exp(lse - lse_max)  # (BLOCK_S,) 0 for unwritten splits
+    lse_max = tl.max(lse, 0)  # -inf when the request has no own keys
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no split: all weights 0
+    weights = tl.exp(lse - safe_max)  # (BLOCK_S,) 0 for unwritten splits
     part = batch * stride_pob + head * stride_poh + splits[:, None] * stride_pos
     part_out = tl.load(
         part_out_ptr + part + offs_d[None, :], mask=written[:, None] & mask_d[None, :], other=0.0
     )  # (BLOCK_S, BLOCK_D)
     total = tl.sum(weights, 0)
-    out = tl.sum(weights[:, None] * part_out, 0) / tl.where(total == 0.0, 1.0, total)
+    acc = tl.sum(weights[:, None] * part_out, 0)  # (BLOCK_D,) Σ e^{lse_s - max} o_s
+    if HAS_SHARED:
+        # Fold in each run's (o, lse) as one more split. A run holds >= 1 key, so its lse
+        # and new_max are finite; with no own keys lse_max = -inf makes alpha 0 (and total
+        # and acc are 0 then anyway).
+        entry_start = tl.load(row_entry_indptr_ptr + batch).to(tl.int64)
+        entry_end = tl.load(row_entry_indptr_ptr + batch + 1).to(tl.int64)
+        for i in range(entry_start, entry_end):
+            entry = tl.load(row_entries_ptr + i).to(tl.int64)
+            entry_lse = tl.load(shared_lse_ptr + entry * stride_sle + head * stride_slh)
+            entry_ptrs = shared_out_ptr + entry * stride_soe + head * stride_soh + offs_d
+            entry_out = tl.load(entry_ptrs, mask=mask_d, other=0.0)  # (BLOCK_D,)
+            new_max = tl.maximum(lse_max, entry_lse)
+            alpha = tl.exp(lse_max - new_max)
+            beta = tl.exp(entry_lse - new_max)
+            total = total * alpha + beta
+            acc = acc * alpha + entry_out * beta
+            lse_max = new_max
+    out = acc / tl.where(total == 0.0, 1.0, total)
     out_ptrs = out_ptr + batch * stride_ob + head * stride_oh + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-
-def interpreting(device: torch.device) -> bool:
-    """True when Triton runs in its CPU interpreter, whose bf16 `tl.dot` is wrong."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" or device.type == "cpu"
-
-
-def check_index_tensor(name: str, t: torch.Tensor) -> None:
-    """Assert an indptr/indices tensor is integer, 1-D and contiguous."""
-    assert t.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {t.dtype}"
-    assert t.dim() == 1 and t.stride(0) == 1, f"{name} {tuple(t.shape)} {t.stride()}"
 
 
 def _check_inputs(
@@ -239,13 +236,20 @@ def decode_attention(
     kv_indices: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 8,
+    layout: DecodeLayout | None = None,
 ) -> torch.Tensor:
     """One query token per request over all its pooled KV (which already holds this token).
 
     q (B, H, D); k_buffer/v_buffer (num_slots, Hkv, D); request b reads
     `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. Returns a new contiguous (B, H, D) tensor.
+    `layout` (`decode_layout` of this metadata) makes requests read the KV runs they share
+    once per group (`shared_prefix_attention`) and split only their own keys.
     """
     _check_inputs(q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits)
+    if layout is not None:
+        assert layout.kv_indptr.numel() == kv_indptr.numel(), f"{layout.kv_indptr.shape=}"
+        assert layout.kv_indptr.device == q.device, f"{layout.kv_indptr.device=} {q.device=}"
+        kv_indptr, kv_indices = layout.kv_indptr, layout.kv_indices  # own keys only
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     out = torch.empty((batch_size, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -267,10 +271,20 @@ def decode_attention(
         GROUP=group, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         UPCAST=interpreting(q.device), num_warps=4, num_stages=2,
     )  # fmt: skip
+    has_shared = layout is not None and layout.num_groups > 0
+    if has_shared:
+        shared_out, shared_lse = shared_prefix_attention(q, k_buffer, v_buffer, layout, sm_scale)
+        entry_indptr, entries = layout.row_entry_indptr, layout.row_entries
+    else:  # never read (HAS_SHARED=False); any tensors of the right kind
+        shared_out, shared_lse = part_out[:, :, 0], part_lse[:, :, 0]
+        entry_indptr = entries = kv_indptr
     _decode_merge_kernel[(batch_size, num_heads)](
-        part_out, part_lse, out, kv_indptr, num_kv_splits, head_dim,
+        part_out, part_lse, out, kv_indptr, shared_out, shared_lse, entry_indptr, entries,
+        num_kv_splits, head_dim,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), out.stride(0), out.stride(1),
+        shared_out.stride(0), shared_out.stride(1), shared_lse.stride(0), shared_lse.stride(1),
         BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        HAS_SHARED=has_shared,
     )  # fmt: skip
     return out

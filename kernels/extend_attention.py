@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixflow.kernels.decode_attention import (
+from radixflow.kernels.online_softmax import (
     FLOAT_DTYPES,
     check_index_tensor,
     interpreting,

@@ -1,17 +1,19 @@
-"""Torch reference of every attention op: the specification, the CPU path and the test oracle.
+"""The specification of every attention op: plain torch, one request at a time, any device.
 
-Metadata format shared with the Triton kernels (all int64 tensors on the op's device):
+Each function has the signature of its Triton kernel and is what the kernels and the CPU
+fast path (`radixflow.kernels.cpu_attention`) are tested against. It is meant to be checked
+by eye, not to be fast: no layouts, no grouping, no fused kernels.
+
+Metadata format (integer tensors; B requests):
   qo_indptr  (B+1,)  prefix sum of each request's new-token count (rows of q / k_extend)
   kv_indptr  (B+1,)  prefix sum of each request's pooled KV length
   kv_indices (sum,)  pool slot of every pooled KV position, request after request
-Pools are `[num_slots, num_kv_heads, head_dim]` per layer; slot 0 is a dummy.
+Pools are (num_slots, num_kv_heads, head_dim) per layer; slot 0 is a dummy.
 Query head h uses KV head h // (num_heads // num_kv_heads) (grouped-query attention).
-Math runs in fp32; outputs come back in q's dtype.
+Math runs in fp32; outputs come back in q's dtype. A query that sees no key gets zeros.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -23,126 +25,33 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Write new keys/values `(n, num_kv_heads, head_dim)` into the pools at `slots` (n,)."""
+    """Write new keys/values (n, num_kv_heads, head_dim) into the pools at `slots` (n,)."""
     k_buffer[slots] = k.to(k_buffer.dtype)
     v_buffer[slots] = v.to(v_buffer.dtype)
 
 
-@dataclass(frozen=True)
-class SharedPrefix:
-    """Query rows whose requests' pooled KV all begins with the same `slots` (P,). The radix
-    tree hands every request under one node the same slots, so a batch of requests behind
-    one few-shot prefix attends to it in one dense product over P keys, not one gathered
-    copy per request; the rest of each request's keys go through the padded path and the
-    two partial results are merged by their log-sum-exp."""
+def attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """softmax(q Kᵀ·scale, over visible keys) V for one request, in fp32.
 
-    q_rows: torch.Tensor
-    slots: torch.Tensor
-
-
-MIN_SHARED_KEYS = 64  # shorter common prefixes stay in the padded path
-
-
-def find_shared_prefixes(
-    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-) -> tuple[tuple[SharedPrefix, ...], torch.Tensor]:
-    """Runs of MIN_SHARED_KEYS or more slots that two or more requests hold at the same
-    position, found level by level as in the radix tree: requests with the same slot at
-    `offset` share the run up to their first difference, then split by the slot after it
-    (a tree-of-thought batch: one run per problem, then one per first-level branch).
-    -> (groups, per-request count of leading keys the groups cover)."""
-    lens = kv_indptr[1:] - kv_indptr[:-1]
-    skip = torch.zeros_like(lens)
-    starts, device = kv_indptr[:-1], kv_indptr.device
-    groups: list[SharedPrefix] = []
-
-    def split(members: list[int], offset: int) -> None:
-        members = [b for b in members if int(lens[b]) - offset >= MIN_SHARED_KEYS]
-        if len(members) < 2:
-            return
-        by_slot: dict[int, list[int]] = {}
-        for b, slot in zip(members, kv_indices[starts[members] + offset].tolist()):
-            by_slot.setdefault(slot, []).append(b)
-        for sub in by_slot.values():
-            if len(sub) < 2:
-                continue
-            rows = torch.tensor(sub, device=device)
-            cols = offset + torch.arange(int(lens[rows].min()) - offset, device=device)
-            index = kv_indices[starts[rows][:, None] + cols]  # (n, shortest - offset)
-            length = int((index == index[:1]).all(0).cumprod(0).sum())
-            if length < MIN_SHARED_KEYS:
-                continue
-            skip[rows] = offset + length
-            q_rows = [torch.arange(int(qo_indptr[b]), int(qo_indptr[b + 1])) for b in sub]
-            groups.append(SharedPrefix(torch.cat(q_rows).to(device), index[0, :length]))
-            split(sub, offset + length)
-
-    split(list(range(len(lens))), 0)
-    return tuple(groups), skip
-
-
-def _drop_leading(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, skip: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata of each request's keys after its first `skip[b]`."""
-    lens = kv_indptr[1:] - kv_indptr[:-1] - skip
-    indptr = torch.cat([kv_indptr[:1] * 0, torch.cumsum(lens, 0)])
-    owner = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
-    offset = torch.arange(int(indptr[-1]), device=lens.device) - indptr[:-1][owner]
-    return indptr, kv_indices[kv_indptr[:-1][owner] + skip[owner] + offset]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Padded gather indices derived from the metadata once per forward, reused by all layers.
-
-    kv_index (B, Lk) pool slots of the cached keys, padded with slot 0; q_index (B, Lq) rows of
-    the new tokens, padded with row 0; mask (B, Lq, Lk + Lq) which keys each query sees (cached
-    keys first, then the new tokens); rows/batch (T,) map each new-token row back to (b, i).
+    q (Lq, H, D); keys/values (Lk, Hkv, D); visible (Lq, Lk) bool -> (Lq, H, D).
+    `logit_cap` c > 0 soft-caps the scores to c·tanh(score / c) before masking (Gemma 2).
     """
-
-    kv_index: torch.Tensor
-    q_index: torch.Tensor
-    mask: torch.Tensor
-    batch: torch.Tensor
-    rows: torch.Tensor
-    shared: tuple[SharedPrefix, ...] = ()
-
-
-def _padded(indptr: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged runs of `values` (or of row numbers) -> (B, max_len) padded with 0, and lens."""
-    lens = indptr[1:] - indptr[:-1]
-    width = int(lens.max()) if lens.numel() else 0
-    cols = torch.arange(width, device=indptr.device)
-    valid = cols[None, :] < lens[:, None]
-    index = (indptr[:-1, None] + cols[None, :]).clamp(max=max(int(indptr[-1]) - 1, 0))
-    if values is not None:
-        index = values[index] if values.numel() else torch.zeros_like(index)
-    return torch.where(valid, index, torch.zeros_like(index)), lens
-
-
-def make_layout(
-    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-) -> Layout:
-    """Layout for extend (new tokens over qo_indptr) or decode (qo_indptr = arange(B+1))."""
-    shared, skip = find_shared_prefixes(qo_indptr, kv_indptr, kv_indices)
-    if shared:
-        kv_indptr, kv_indices = _drop_leading(kv_indptr, kv_indices, skip)
-    kv_index, prefix_lens = _padded(kv_indptr, kv_indices)
-    q_index, extend_lens = _padded(qo_indptr, None)
-    max_q = q_index.shape[1]
-    i = torch.arange(max_q, device=qo_indptr.device)
-    j = torch.arange(kv_index.shape[1], device=qo_indptr.device)
-    # cached key j is visible iff j < prefix; new key e iff e <= i (bottom-right causal)
-    cached = (j[None, None, :] < prefix_lens[:, None, None]).expand(-1, max_q, -1)
-    new = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] < extend_lens[:, None, None])
-    rows_valid = i[None, :, None] < extend_lens[:, None, None]
-    mask = torch.cat([cached, new.expand(len(extend_lens), -1, -1)], dim=-1) & rows_valid
-    batch = torch.repeat_interleave(
-        torch.arange(len(extend_lens), device=qo_indptr.device), extend_lens
-    )
-    rows = torch.arange(int(qo_indptr[-1]), device=qo_indptr.device) - qo_indptr[:-1][batch]
-    return Layout(kv_index, q_index, mask, batch, rows, shared)
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # (Lk, H, D): head h reads h // group
+    values = values.float().repeat_interleave(group, dim=1)  # (Lk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (H, Lq, Lk)
+    if logit_cap:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key: zeros
+    return torch.einsum("hqk,khd->qhd", probs, values)  # (Lq, H, D)
 
 
 def extend_attention(
@@ -155,27 +64,30 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
-    layout: Layout | None = None,
+    sliding_window: int = 0,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of new tokens over their request's cached prefix and (causally) each other.
+    """New tokens over their request's cached prefix and (causally) each other.
 
     q (T, H, D); k_extend/v_extend (T, Hkv, D) are the new tokens' own K/V; the prefix of
     request b is `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` in the pools. New token i of a
-    request with prefix P sees keys 0 .. P + i (bottom-right causal mask). Returns (T, H, D).
-    `layout` (from `make_layout`) may be passed to skip recomputing the indices.
+    request with prefix P sees keys 0 .. P + i (bottom-right causal). Returns (T, H, D).
+    `sliding_window` W > 0: it sees only keys P + i - W < j <= P + i (W keys, its own
+    included, as transformers' sliding-window mask). `logit_cap` as in `attention`.
     """
-    if q.shape[0] == 0:
-        return q.new_zeros(q.shape)
-    layout = layout or make_layout(qo_indptr, kv_indptr, kv_indices)
-    keys = torch.cat([_gather(k_buffer, layout.kv_index), _gather(k_extend, layout.q_index)], 2)
-    values = torch.cat([_gather(v_buffer, layout.kv_index), _gather(v_extend, layout.q_index)], 2)
-    queries = q[layout.q_index].float()  # (B, Lq, H, D)
-    if not layout.shared:
-        out = _masked_attention(queries, keys, values, layout.mask, sm_scale)  # (B, Lq, H, D)
-        return out[layout.batch, layout.rows].to(q.dtype)
-    out, lse = _attention_lse(queries, keys, values, layout.mask, sm_scale)
-    out, lse = out[layout.batch, layout.rows], lse[layout.batch, layout.rows]
-    _merge_shared(out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (T, H, D)
+    q_starts, kv_starts = qo_indptr.tolist(), kv_indptr.tolist()
+    for b in range(len(q_starts) - 1):
+        rows = slice(q_starts[b], q_starts[b + 1])
+        slots = kv_indices[kv_starts[b] : kv_starts[b + 1]]  # (P,)
+        prefix_len, extend_len = kv_starts[b + 1] - kv_starts[b], rows.stop - rows.start
+        keys = torch.cat([k_buffer[slots], k_extend[rows]])  # (P + E, Hkv, D)
+        values = torch.cat([v_buffer[slots], v_extend[rows]])
+        ones = torch.ones(extend_len, prefix_len + extend_len, dtype=torch.bool, device=q.device)
+        visible = ones.tril(prefix_len)  # (E, P + E): row i sees columns 0 .. P + i
+        if sliding_window:  # and not columns <= P + i - W
+            visible &= ~ones.tril(prefix_len - sliding_window)
+        out[rows] = attention(q[rows], keys, values, visible, sm_scale, logit_cap)
     return out.to(q.dtype)
 
 
@@ -187,171 +99,22 @@ def decode_attention(
     kv_indices: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 8,
-    layout: DecodeLayout | None = None,
+    sliding_window: int = 0,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per request over all its pooled KV (which already holds this token).
 
     q (B, H, D); request b reads `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. `num_kv_splits`
     only matters to the split-KV kernel (the math does not depend on it). Returns (B, H, D).
+    `sliding_window` W > 0: only the last W keys are seen. `logit_cap` as in `attention`.
     """
-    if q.shape[0] == 0:
-        return q.new_zeros(q.shape)
-    layout = layout or decode_layout(kv_indptr, kv_indices)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    for rows, kv_index, mask in layout.groups:
-        keys, values = _gather(k_buffer, kv_index), _gather(v_buffer, kv_index)
-        group_out, group_lse = _attention_lse(
-            q[rows].float()[:, None], keys, values, mask, sm_scale
-        )
-        out[rows], lse[rows] = group_out[:, 0], group_lse[:, 0]
-    if layout.shared:
-        _merge_shared(out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, H, D)
+    starts = kv_indptr.tolist()
+    for b in range(q.shape[0]):
+        slots = kv_indices[starts[b] : starts[b + 1]]  # (L,)
+        visible = torch.ones(1, len(slots), dtype=torch.bool, device=q.device)  # (1, L)
+        if sliding_window:
+            visible[:, : max(len(slots) - sliding_window, 0)] = False
+        keys, values = k_buffer[slots], v_buffer[slots]
+        out[b] = attention(q[b : b + 1], keys, values, visible, sm_scale, logit_cap)[0]
     return out.to(q.dtype)
-
-
-@dataclass(frozen=True)
-class DecodeLayout:
-    """Requests in groups of similar KV length, each padded to its longest: (rows (g,),
-    kv_index (g, Lk), mask (g, 1, Lk)). Padding every request to the batch's longest made 16
-    short chats beside one 3,000-token request gather 3,000 keys each, in every layer."""
-
-    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    shared: tuple[SharedPrefix, ...] = ()
-
-
-def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLayout:
-    """Shared prefixes first (`find_shared_prefixes`); the remaining keys of each request are
-    grouped, longest first, while a group's padded size stays within twice its real size
-    (one group when lengths are alike)."""
-    batch = torch.arange(len(kv_indptr), device=kv_indptr.device)
-    shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
-    if shared:
-        kv_indptr, kv_indices = _drop_leading(kv_indptr, kv_indices, skip)
-    return DecodeLayout(_length_groups(kv_indptr, kv_indices), shared)
-
-
-def _length_groups(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
-    order = sorted(range(len(lens)), key=lambda b: -lens[b])
-    groups, start = [], 0
-    while start < len(order):
-        end, total = start + 1, lens[order[start]]
-        while end < len(order) and (end - start + 1) * lens[order[start]] <= 2 * (
-            total + lens[order[end]]
-        ):
-            total += lens[order[end]]
-            end += 1
-        rows = torch.tensor(order[start:end], dtype=torch.long, device=kv_indptr.device)
-        starts = kv_indptr[:-1][rows]
-        indptr = torch.cat([starts.new_zeros(1), torch.cumsum(kv_indptr[1:][rows] - starts, 0)])
-        spans = [kv_indices[kv_indptr[b] : kv_indptr[b + 1]] for b in order[start:end]]
-        kv_index, group_lens = _padded(indptr, torch.cat(spans) if spans else kv_indices)
-        cols = torch.arange(kv_index.shape[1], device=kv_indptr.device)
-        groups.append((rows, kv_index, (cols[None, :] < group_lens[:, None])[:, None, :]))
-        start = end
-    return groups
-
-
-def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows (N, Hkv, D) at index (B, L) -> fp32 (B, Hkv, L, D) (a transposed view).
-    index_select copies rows about twice as fast as advanced indexing on CPU."""
-    picked = rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
-    return picked.float().transpose(1, 2)
-
-
-def _masked_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
-    """queries (B, Lq, H, D), keys/values (B, Hkv, Lk, D), mask (B, Lq, Lk) -> (B, Lq, H, D).
-
-    torch's fused scaled_dot_product_attention (grouped-query heads, boolean mask): on CPU
-    it is 2-5x faster than spelling out matmul, mask and softmax. Rows whose mask is all
-    False (padding) come out as zeros."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=mask[:, None],
-        scale=sm_scale,
-        enable_gqa=True,
-    )  # (B, H, Lq, D)
-    return out.transpose(1, 2).nan_to_num_(0.0)
-
-
-def _attention_lse(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    sm_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_masked_attention` that also returns each row's log-sum-exp (B, Lq, H): -inf for a
-    row that sees no key (its output is zeros). The query heads of one KV head go in as
-    extra query rows, so the fused CPU kernel needs no grouped-query support."""
-    b, lq, h, d = queries.shape
-    hkv = keys.shape[1]
-    if keys.shape[2] == 0:  # the fused kernel divides by the key count
-        empty = torch.full((b, lq, h), -torch.inf, device=queries.device)
-        return torch.zeros_like(queries), empty
-    group = h // hkv
-    grouped = queries.view(b, lq, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, -1, d)
-    rows_mask = (
-        mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(b, 1, lq * group, -1)
-    )
-    bias = torch.zeros(rows_mask.shape, device=queries.device).masked_fill_(~rows_mask, -torch.inf)
-    out, lse = _flash_with_lse(grouped, keys, values, bias, sm_scale)
-    out = out.view(b, hkv, lq, group, d).permute(0, 2, 1, 3, 4).reshape(b, lq, h, d)
-    lse = lse.view(b, hkv, lq, group).permute(0, 2, 1, 3).reshape(b, lq, h)
-    sees_none = ~mask.any(-1)  # (B, Lq)
-    lse = lse.masked_fill(sees_none[:, :, None], -torch.inf)
-    return out.masked_fill(sees_none[:, :, None, None], 0.0), lse
-
-
-def _flash_with_lse(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor | None,
-    sm_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, Hkv, Lq, D) over (B, Hkv, Lk, D) -> output (B, Hkv, Lq, D) and log-sum-exp
-    (B, Hkv, Lq): torch's fused CPU attention kernel, which returns both."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        queries, keys, values, attn_mask=bias, scale=sm_scale
-    )
-
-
-def _merge_shared(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    shared: tuple[SharedPrefix, ...],
-    sm_scale: float,
-) -> None:
-    """Fold each shared prefix's attention into out (T, H, D) / lse (T, H), in place. Every
-    query of a group sees the whole prefix (it precedes all their positions): no mask."""
-    hkv, d = k_buffer.shape[1], k_buffer.shape[2]
-    group = q.shape[1] // hkv
-    for prefix in shared:
-        rows = prefix.q_rows
-        n = len(rows)
-        queries = q[rows].float().view(n, hkv, group, d).transpose(0, 1).reshape(1, hkv, -1, d)
-        keys = _gather(k_buffer, prefix.slots[None])  # (1, Hkv, P, D)
-        values = _gather(v_buffer, prefix.slots[None])
-        part, part_lse = _flash_with_lse(queries, keys, values, None, sm_scale)
-        part = part[0].view(hkv, n, group, d).transpose(0, 1).reshape(n, hkv * group, d)
-        part_lse = part_lse[0].view(hkv, n, group).transpose(0, 1).reshape(n, hkv * group)
-        top = torch.maximum(part_lse, lse[rows])
-        w_part, w_rest = torch.exp(part_lse - top), torch.exp(lse[rows] - top)
-        total = w_part + w_rest
-        out[rows] = (part * w_part[..., None] + out[rows] * w_rest[..., None]) / total[..., None]
-        lse[rows] = top + torch.log(total)

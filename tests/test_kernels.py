@@ -1,14 +1,17 @@
-"""Triton attention kernels vs the torch reference, under the Triton CPU interpreter.
+"""Triton attention kernels vs the plain torch reference, under the Triton CPU interpreter.
 
-Also checks the reference itself against naive per-request attention with explicit masks,
-and a tiny random Llama run end to end with either ops object. Launches are batched (one
-per dtype/config) because every interpreted program costs milliseconds.
+Decode (split-KV, and with shared-prefix groups), extend, the launch checks, compilation
+for CUDA targets, and a tiny random Llama run end to end on the reference, the CPU fast
+path and the Triton ops. Launches are batched (one per dtype/config) because every
+interpreted program costs milliseconds. The reference and the CPU fast path are tested
+without Triton in tests/test_kernels_cpu.py.
 """
 
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
 
+import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -19,10 +22,18 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from radixflow.kernels import REFERENCE_OPS, AttentionOps, reference, triton_ops  # noqa: E402
+from radixflow.kernels import (  # noqa: E402
+    CPU_OPS,
+    REFERENCE_OPS,
+    AttentionOps,
+    reference,
+    triton_ops,
+)
 from radixflow.kernels import decode_attention as decode_module  # noqa: E402
-from radixflow.kernels.decode_attention import decode_attention  # noqa: E402
+from radixflow.kernels import shared_prefix_attention as shared_attention  # noqa: E402
+from radixflow.kernels.decode_attention import decode_attention, decode_layout  # noqa: E402
 from radixflow.kernels.extend_attention import extend_attention  # noqa: E402
+from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS  # noqa: E402
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 64
@@ -148,25 +159,6 @@ def test_decode_empty_request_gives_zeros() -> None:
     assert_close(out, reference.decode_attention(*args))
 
 
-def test_reference_decode_groups_mixed_lengths() -> None:
-    """The torch decode pads within groups of similar KV length: a batch mixing long and short
-    contexts forms several groups and gives each request what it gets alone."""
-    lens = [300, 4, 290, 17, 1, 120, 0, 33]
-    q, k_buffer, v_buffer, kv_indptr, slots, scale = decode_case(3, lens, torch.float32, seed=5)
-    groups = reference.decode_layout(kv_indptr, slots).groups
-    assert len(groups) >= 3 and sorted(torch.cat([g[0] for g in groups]).tolist()) == list(
-        range(len(lens))
-    )
-    assert sum(g[1].numel() for g in groups) <= 2 * sum(lens) + max(lens)
-    together = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, slots, scale)
-    for b, n in enumerate(lens):
-        own = slots[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
-        alone = reference.decode_attention(
-            q[b : b + 1], k_buffer, v_buffer, indptr([n]), own, scale
-        )
-        assert_close(together[b : b + 1], alone)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 3])
 def test_extend_matches_reference(dtype: torch.dtype, group: int) -> None:
@@ -204,14 +196,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from radixflow.kernels import decode_attention as decode, extend_attention as extend
+from radixflow.kernels import shared_prefix_attention as shared
 
-def build(kernel, dtype, constexprs, num_warps, num_stages):
+def build(kernel, dtype, constexprs, num_warps, num_stages, fp32_ptrs=()):
     capabilities = (80, 90) if dtype == "bf16" else (90,)
     def kind(name):
         if name in constexprs:
             return "constexpr"
         if name.endswith("_ptr"):
-            return "*i64" if "ind" in name else "*fp32" if "part_" in name else "*" + dtype
+            if any(word in name for word in ("ind", "rows", "slots", "entries")):
+                return "*i64"
+            return "*fp32" if "part_" in name or name in fp32_ptrs else "*" + dtype
         return "fp32" if name == "sm_scale" else "i32"
     signature = {name: kind(name) for name in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs)
@@ -222,9 +217,12 @@ def build(kernel, dtype, constexprs, num_warps, num_stages):
 for dtype in ("bf16", "fp32"):
     split = dict(GROUP=3, BLOCK_H=decode.BLOCK_H, BLOCK_N=decode.BLOCK_N, BLOCK_D=64, UPCAST=False)
     build(decode._decode_split_kernel, dtype, split, 4, 2)
-    for block_s in (1, 8):  # num_kv_splits=1 gives a one-element tl.arange
-        merge = dict(BLOCK_S=block_s, BLOCK_N=decode.BLOCK_N, BLOCK_D=64)
-        build(decode._decode_merge_kernel, dtype, merge, 4, 2)
+    for block_s, has_shared in ((1, False), (8, False), (8, True)):  # 1: one-element arange
+        merge = dict(BLOCK_S=block_s, BLOCK_N=decode.BLOCK_N, BLOCK_D=64, HAS_SHARED=has_shared)
+        build(decode._decode_merge_kernel, dtype, merge, 4, 2, ("shared_out_ptr", "shared_lse_ptr"))
+    blocks = (64, 64) if dtype == "bf16" else (32, 32)
+    prefix = dict(GROUP=3, BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=64, UPCAST=False)
+    build(shared._shared_prefix_kernel, dtype, prefix, 4, 2, ("out_ptr", "lse_ptr"))
     blocks = (128, 64) if dtype == "bf16" else (64, 32)
     extend_constexprs = dict(GROUP=3, BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=64)
     build(extend._extend_kernel, dtype, dict(extend_constexprs, UPCAST=False), 4, 1)
@@ -242,144 +240,60 @@ def test_kernels_compile_for_cuda_targets() -> None:
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
 
 
-# ---------------------------------------------------------------- reference vs naive loops
+# ---------------------------------------------------------------- shared-prefix decode
 
 
-def naive_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q (Lq, D), keys/values (Lk, D), visible (Lq, Lk) bool -> (Lq, D), in float64."""
-    scores = (q.double() @ keys.double().T) * scale  # (Lq, Lk)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ values.double()
+def shared_case(kind: str, group: int, dtype: torch.dtype) -> tuple:
+    """A decode batch laid out as a radix tree lays it out. "nested": three requests behind
+    one 100-slot run (two of them also share the next 70), two behind an 80-slot run (one
+    ending right at it), one alone. "fully_shared": six requests holding the same 96 slots
+    and nothing else. -> decode arguments (q strided, shuffled slots)."""
+    gen = torch.Generator().manual_seed(7)
+    k_buffer, v_buffer, pool = make_pools(456, dtype, gen)
+    if kind == "nested":
+        root, branch, tail0, tail1, tail2, other, other_tail, alone = pool.split(
+            [100, 70, 5, 9, 30, 80, 12, 150]
+        )
+        requests = [
+            torch.cat([root, branch, tail0]),
+            torch.cat([root, branch, tail1]),
+            torch.cat([root, tail2]),
+            torch.cat([other, other_tail]),
+            other,
+            alone,
+        ]
+    else:
+        requests = [pool[:96]] * 6
+    q, _ = strided_heads(len(requests), [NUM_KV_HEADS * group, 2], dtype, gen)
+    lens = [len(r) for r in requests]
+    return q, k_buffer, v_buffer, indptr(lens), torch.cat(requests), HEAD_DIM**-0.5
 
 
-def naive_extend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One request and one head at a time, with an explicit bottom-right causal mask."""
-    out = torch.zeros(q.shape, dtype=torch.float64)  # (T, H, D)
-    group = q.shape[1] // k.shape[1]
-    for b in range(qo_indptr.numel() - 1):
-        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        slots = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
-        prefix_len, extend_len = slots.numel(), rows.stop - rows.start
-        # new token i sees keys 0 .. prefix_len + i
-        visible = torch.ones(extend_len, prefix_len + extend_len).tril(prefix_len).bool()
-        for h in range(q.shape[1]):
-            keys = torch.cat([k_buffer[slots, h // group], k[rows, h // group]])  # (P+E, D)
-            values = torch.cat([v_buffer[slots, h // group], v[rows, h // group]])
-            out[rows, h] = naive_attention(q[rows, h], keys, values, visible, scale)
-    return out
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_shared_prefix_decode_matches_reference(dtype: torch.dtype, group: int) -> None:
+    """Nested runs (tree of thought) and a request whose keys are all shared."""
+    args = shared_case("nested", group, dtype)
+    layout = decode_layout(*args[3:5])
+    runs = torch.diff(layout.prefix_indptr).tolist()
+    assert sorted(runs) == [70, 80, 100] and layout.max_group_size == 3
+    assert layout.kv_indices.numel() == args[4].numel() - 100 * 3 - 70 * 2 - 80 * 2
+    out = decode_attention(*args, num_kv_splits=3, layout=layout)  # (B, H, D)
+    assert_close(out, reference.decode_attention(*args))
 
 
-def naive_decode(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One request and one head at a time over all its pooled keys."""
-    out = torch.zeros(q.shape, dtype=torch.float64)  # (B, H, D)
-    group = q.shape[1] // k_buffer.shape[1]
-    for b in range(q.shape[0]):
-        slots = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
-        if slots.numel() == 0:
-            continue  # the reference's convention: no keys -> zeros
-        visible = torch.ones(1, slots.numel(), dtype=torch.bool)
-        for h in range(q.shape[1]):
-            keys, values = k_buffer[slots, h // group], v_buffer[slots, h // group]
-            out[b, h] = naive_attention(q[b, h][None], keys, values, visible, scale)[0]
-    return out
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fully_shared_decode_matches_reference(dtype: torch.dtype) -> None:
+    """Six requests with only shared keys: their own parts are empty (log-sum-exp -inf in
+    the merge), and 6 requests x 4 heads take two row tiles of the shared-prefix kernel."""
+    args = shared_case("fully_shared", 4, dtype)
+    layout = decode_layout(*args[3:5])
+    assert layout.num_groups == 1 and layout.kv_indices.numel() == 0
+    assert layout.max_group_size * 4 > shared_attention._block_sizes(64, dtype, args[0].device)[0]
+    assert_close(decode_attention(*args, layout=layout), reference.decode_attention(*args))
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_reference_extend_matches_naive(group: int) -> None:
-    args = extend_case(group, EXTEND_CASES, torch.float32)
-    expected = naive_extend(*args).float()
-    torch.testing.assert_close(reference.extend_attention(*args), expected, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("group", [1, 4])
-def test_reference_decode_matches_naive(group: int) -> None:
-    args = decode_case(group, [0, *DECODE_LENS], torch.float32)
-    expected = naive_decode(*args).float()
-    torch.testing.assert_close(reference.decode_attention(*args), expected, atol=1e-5, rtol=0)
-
-
-def shared_slots(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Pools and kv_indices of six requests as a radix tree lays them out: three behind one
-    100-slot prefix (two of them also share the next 70), two behind another 80-slot prefix
-    (one of them ending right at it), one alone. -> (k_buffer, v_buffer, slots, lens)."""
-    k_buffer, v_buffer, pool = make_pools(456, torch.float32, gen)
-    take = iter(pool.split([100, 70, 5, 9, 30, 80, 12, 150]))
-    root, branch, *tails = next(take), next(take), next(take), next(take), next(take)
-    other, other_tail, alone = next(take), next(take), next(take)
-    requests = [
-        torch.cat([root, branch, tails[0]]),
-        torch.cat([root, branch, tails[1]]),
-        torch.cat([root, tails[2]]),
-        torch.cat([other, other_tail]),
-        other,
-        alone,
-    ]
-    return k_buffer, v_buffer, torch.cat(requests), [len(r) for r in requests]
-
-
-def test_reference_decode_with_shared_prefixes_matches_naive() -> None:
-    gen = torch.Generator().manual_seed(5)
-    k_buffer, v_buffer, slots, lens = shared_slots(gen)
-    kv_indptr = indptr(lens)
-    layout = reference.decode_layout(kv_indptr, slots)
-    assert sorted(len(g.slots) for g in layout.shared) == [70, 80, 100]  # 70: nested
-    q = randn((len(lens), NUM_KV_HEADS * 3, HEAD_DIM), torch.float32, gen)
-    expected = naive_decode(q, k_buffer, v_buffer, kv_indptr, slots, 0.125).float()
-    actual = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, slots, 0.125)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
-
-
-def test_reference_extend_with_shared_prefixes_matches_naive() -> None:
-    """New tokens (1, 7, 33, 4, 2, 5) behind the shared prefixes; one prefix is shared in
-    full, so that request's remaining keys are only its own new tokens."""
-    gen = torch.Generator().manual_seed(6)
-    k_buffer, v_buffer, slots, lens = shared_slots(gen)
-    new = [1, 7, 33, 4, 2, 5]
-    q, k, v = strided_heads(
-        sum(new), [NUM_KV_HEADS * 3, NUM_KV_HEADS, NUM_KV_HEADS], torch.float32, gen
-    )
-    args = (q, k, v, k_buffer, v_buffer, indptr(new), indptr(lens), slots, 0.125)
-    assert len(reference.make_layout(*args[5:8]).shared) == 3
-    expected = naive_extend(*args).float()
-    torch.testing.assert_close(reference.extend_attention(*args), expected, atol=1e-5, rtol=0)
-
-
-def test_reference_decode_is_extend_of_one_token() -> None:
-    """Decode of the last token == extend of that token over the rest as prefix."""
-    gen = torch.Generator().manual_seed(4)
-    lens = [7, 30]
-    k_buffer, v_buffer, slots = make_pools(sum(lens), torch.float32, gen)
-    q = randn((2, 6, HEAD_DIM), torch.float32, gen)
-    decoded = reference.decode_attention(q, k_buffer, v_buffer, indptr(lens), slots, 0.125)
-    last = indptr(lens)[1:] - 1  # the new token's position in kv_indices
-    prefix = torch.cat([slots[0:6], slots[7:36]])
-    extended = reference.extend_attention(
-        q, k_buffer[slots[last]], v_buffer[slots[last]], k_buffer, v_buffer,
-        indptr([1, 1]), indptr([6, 29]), prefix, 0.125,
-    )  # fmt: skip
-    torch.testing.assert_close(extended, decoded, atol=1e-6, rtol=0)
-
-
-# ---------------------------------------------------------------- tiny Llama, both ops
+# ---------------------------------------------------------------- tiny Llama, every ops object
 
 
 @dataclass
@@ -431,10 +345,15 @@ def forward_step(
     return model(batch, *caches)
 
 
-def run_tiny_llama(ops: AttentionOps) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill two prompts, extend a third over a shared prefix beside decodes, decode on.
+SHARED_PROMPT = MIN_SHARED_KEYS + 2  # tokens a and c share: long enough to be a shared run
 
-    Returns every step's logits and the greedy continuation of each request.
+
+def run_tiny_llama(ops: AttentionOps) -> tuple[list[torch.Tensor], list[list[int]], list]:
+    """Prefill two prompts, extend a third over the first one's cached prompt beside
+    decodes, then decode all three (the first and third behind the same cached slots).
+
+    Returns every step's logits, the greedy continuation of each request and the decode
+    layout of every step that decodes (when the ops derive one).
     """
     llama = pytest.importorskip("radixflow.runtime.models.llama")
     config = llama.LlamaConfig(
@@ -443,30 +362,52 @@ def run_tiny_llama(ops: AttentionOps) -> tuple[list[torch.Tensor], list[list[int
         rope_scaling=None, max_position=128, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
+    layouts: list = []
+    derive = ops.prepare_decode
+    if derive is not None:  # record the layouts the model derives
+
+        def prepare_decode(*args: torch.Tensor, **kwargs: int) -> object:
+            layouts.append(derive(*args, **kwargs))
+            return layouts[-1]
+
+        ops = dataclasses.replace(ops, prepare_decode=prepare_decode)
     model = llama.LlamaModel(config, ops).eval()
     shape = (config.num_layers, 160, config.num_kv_heads, config.head_dim)
     caches = (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
     for cache in caches:  # (layers, slots, Hkv, D): NaN except the dummy slot, as in make_pools
         cache[:, 0] = 0.0
     free = (1 + torch.randperm(159, generator=torch.Generator().manual_seed(5))).tolist()
-    prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(6)).tolist()
-    a, b, c = Seq(prompt[:9]), Seq(prompt[9:30]), Seq(prompt[:9] + prompt[20:24])
+    prompt = torch.randint(0, 97, (80,), generator=torch.Generator().manual_seed(6)).tolist()
+    n = SHARED_PROMPT
+    a, b, c = Seq(prompt[:n]), Seq(prompt[n:80]), Seq(prompt[:n] + prompt[70:74])
     all_logits = []
     schedule = [([a, b], []), ([c], [a, b]), ([], [a, b, c]), ([], [a, b, c]), ([], [a, b, c])]
     for extends, decodes in schedule:
         if c in extends:
-            c.slots = a.slots[:9]  # c reuses a's cached prompt as its prefix
+            c.slots = a.slots[:n]  # c reuses a's cached prompt as its prefix
         logits = forward_step(model, caches, free, extends, decodes)  # (R, vocab)
         all_logits.append(logits)
         for seq, token in zip(extends + decodes, logits.argmax(-1).tolist(), strict=True):
             seq.tokens.append(token)
-    return all_logits, [a.tokens, b.tokens, c.tokens]
+    return all_logits, [a.tokens, b.tokens, c.tokens], layouts
 
 
-def test_tiny_llama_triton_ops_match_reference_ops() -> None:
-    expected_logits, expected_tokens = run_tiny_llama(REFERENCE_OPS)
-    logits, tokens = run_tiny_llama(triton_ops())
-    assert tokens == expected_tokens
-    assert len(tokens[2]) == 13 + 4  # c: prompt, 1 token from its extend, 3 decodes
-    for step_logits, step_expected in zip(logits, expected_logits, strict=True):
-        torch.testing.assert_close(step_logits, step_expected, atol=1e-4, rtol=1e-4)
+def shared_runs(layout: object) -> list[int]:
+    """Lengths of the shared runs in a CPU or Triton decode layout."""
+    if isinstance(layout, shared_attention.DecodeLayout):
+        return torch.diff(layout.prefix_indptr).tolist()
+    return [len(group.slots) for group in layout.shared]
+
+
+def test_tiny_llama_fast_paths_match_reference_ops() -> None:
+    """The CPU fast path and the Triton ops give the plain reference's logits and tokens,
+    and the last three decode steps read a's and c's shared prompt as one run."""
+    expected_logits, expected_tokens, _ = run_tiny_llama(REFERENCE_OPS)
+    assert len(expected_tokens[2]) == SHARED_PROMPT + 4 + 4  # prompt, extend token, 3 decodes
+    for ops in (CPU_OPS, triton_ops()):
+        logits, tokens, layouts = run_tiny_llama(ops)
+        runs = [shared_runs(layout) for layout in layouts]  # steps 2-5 decode
+        assert runs == [[], [SHARED_PROMPT], [SHARED_PROMPT], [SHARED_PROMPT]], ops.name
+        assert tokens == expected_tokens, ops.name
+        for step_logits, step_expected in zip(logits, expected_logits, strict=True):
+            torch.testing.assert_close(step_logits, step_expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,289 @@
+"""The attention spec (`radixflow.kernels.reference`) and the CPU fast path measured against it.
+
+The reference is checked against float64 loops with explicit masks and shown to run on any
+device; the fast path (`radixflow.kernels.cpu_attention`: length groups, shared-prefix runs
+merged by log-sum-exp, torch's fused CPU kernel) is compared with the reference over a grid
+of batches laid out as a paged radix cache lays them out. No Triton here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from radixflow.kernels import CPU_OPS, REFERENCE_OPS, cpu_attention, get_ops, reference
+from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS, find_shared_prefixes
+
+NUM_KV_HEADS = 2
+HEAD_DIM = 32
+TOLERANCE = {torch.float32: (2e-6, 0.0), torch.float16: (1e-3, 1e-3)}  # (atol, rtol)
+
+
+def indptr(lens: list[int]) -> torch.Tensor:
+    """Prefix sum (B+1,) int64 of per-request lengths."""
+    return torch.nn.functional.pad(torch.tensor(lens, dtype=torch.int64).cumsum(0), (1, 0))
+
+
+class PagedPool:
+    """K/V pools handed out in pages of `page_size` slots from shuffled pages, as the KV pool
+    does; unused slots hold NaN, so reading a slot nobody wrote poisons the output. The
+    dummy page 0 holds a large finite value: padding gathers slot 0 (times probability 0),
+    and a softmax that let it in would be dominated by it."""
+
+    def __init__(self, num_pages: int, page_size: int, dtype: torch.dtype, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.page_size, self.dtype = page_size, dtype
+        shape = (num_pages * page_size, NUM_KV_HEADS, HEAD_DIM)
+        self.k = torch.full(shape, float("nan"), dtype=dtype)
+        self.v = torch.full(shape, float("nan"), dtype=dtype)
+        self.k[:page_size] = self.v[:page_size] = 1e4
+        self.pages = (
+            1 + torch.randperm(num_pages - 1, generator=self.gen)
+        ).tolist()  # page 0: dummy
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n slots (n,) on fresh pages, filled with random K/V."""
+        num_pages = -(-n // self.page_size)
+        pages = torch.tensor([self.pages.pop() for _ in range(num_pages)], dtype=torch.int64)
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()[:n]
+        self.k[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        self.v[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        return slots
+
+    def queries(self, num_rows: int, group: int) -> torch.Tensor:
+        """q (num_rows, Hkv * group, D) as a strided view of a fused qkv buffer."""
+        fused = torch.randn((num_rows, NUM_KV_HEADS * (group + 2), HEAD_DIM), generator=self.gen)
+        return fused.to(self.dtype)[:, : NUM_KV_HEADS * group]
+
+
+def layout_requests(pool: PagedPool, kind: str) -> list[torch.Tensor]:
+    """Each request's pooled KV slots for one kind of batch (run lengths are whole pages of
+    16 or 64, as the radix tree shares whole pages)."""
+    if kind == "ragged":  # no sharing; lengths across the 64-key and group boundaries
+        return [pool.alloc(n) for n in (0, 1, 31, 64, 65, 200, 7, 300)]
+    if kind == "nested":  # three behind a 128-run, two of them also share the next 64
+        root, branch, other = pool.alloc(128), pool.alloc(64), pool.alloc(64)
+        return [
+            torch.cat([root, branch, pool.alloc(5)]),
+            torch.cat([root, branch, pool.alloc(17)]),
+            torch.cat([root, pool.alloc(40)]),
+            torch.cat([other, pool.alloc(3)]),
+            other,  # ends exactly at the shared run: no keys of its own
+            pool.alloc(90),
+        ]
+    if kind == "fully_shared":  # every request holds the same 192 slots and nothing else
+        run = pool.alloc(192)
+        return [run] * 5
+    if kind == "tree":  # tree of thought: 2 problems x 2 branches x 2 leaves
+        requests = []
+        for _ in range(2):
+            problem = pool.alloc(64)
+            for _ in range(2):
+                branch = torch.cat([problem, pool.alloc(64)])
+                requests += [torch.cat([branch, pool.alloc(n)]) for n in (1, 33)]
+        return requests
+    raise ValueError(kind)
+
+
+KINDS = ("ragged", "nested", "fully_shared", "tree")
+NUM_GROUPS = {"ragged": 0, "nested": 3, "fully_shared": 1, "tree": 6}
+
+
+def decode_batch(kind: str, group: int, page_size: int, dtype: torch.dtype) -> tuple:
+    """Arguments (q, k_buffer, v_buffer, kv_indptr, kv_indices, scale) of a decode batch."""
+    pool = PagedPool(2000 // page_size + 20, page_size, dtype, seed=10 * KINDS.index(kind) + group)
+    requests = layout_requests(pool, kind)
+    q = pool.queries(len(requests), group)
+    kv_indptr = indptr([len(r) for r in requests])
+    return q, pool.k, pool.v, kv_indptr, torch.cat(requests), HEAD_DIM**-0.5
+
+
+def extend_batch(kind: str, group: int, page_size: int) -> tuple:
+    """Arguments of an extend batch: the same cached prefixes plus 1..33 new tokens each."""
+    pool = PagedPool(2000 // page_size + 20, page_size, torch.float32, seed=7)
+    prefixes = layout_requests(pool, kind)
+    new = [(1, 7, 33, 4, 2, 5, 16, 9)[i % 8] for i in range(len(prefixes))]
+    q = pool.queries(sum(new), group)
+    k, v = (torch.randn((sum(new), NUM_KV_HEADS, HEAD_DIM), generator=pool.gen) for _ in "kv")
+    qo_indptr, kv_indptr = indptr(new), indptr([len(p) for p in prefixes])
+    return q, k, v, pool.k, pool.v, qo_indptr, kv_indptr, torch.cat(prefixes), HEAD_DIM**-0.5
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Compare with the dtype's tolerance; returns the max abs error."""
+    atol, rtol = TOLERANCE[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    return (actual.float() - expected.float()).abs().max().item()
+
+
+# ---------------------------------------------------------------- the CPU fast path vs the spec
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_decode_matches_reference(
+    kind: str, group: int, page_size: int, dtype: torch.dtype
+) -> None:
+    args = decode_batch(kind, group, page_size, dtype)
+    layout = cpu_attention.decode_layout(*args[3:5])
+    assert len(layout.shared) == NUM_GROUPS[kind]  # the case exercises what it names
+    out = cpu_attention.decode_attention(*args, layout=layout)  # (B, H, D)
+    assert_close(out, reference.decode_attention(*args))
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_extend_matches_reference(kind: str, group: int, page_size: int) -> None:
+    args = extend_batch(kind, group, page_size)
+    layout = cpu_attention.make_layout(*args[5:8])
+    assert len(layout.shared) == NUM_GROUPS[kind]
+    out = cpu_attention.extend_attention(*args, layout=layout)  # (T, H, D)
+    assert_close(out, reference.extend_attention(*args))
+
+
+def test_cpu_decode_groups_mixed_lengths() -> None:
+    """Decodes pad within groups of similar KV length: a batch mixing long and short contexts
+    forms several groups, gathers at most about twice its keys, and matches the spec."""
+    pool = PagedPool(200, 16, torch.float32, seed=5)
+    lens = [300, 4, 290, 17, 1, 120, 0, 33]
+    requests = [pool.alloc(n) for n in lens]
+    args = (pool.queries(len(lens), 3), pool.k, pool.v, indptr(lens), torch.cat(requests), 0.125)
+    groups = cpu_attention.decode_layout(*args[3:5]).groups
+    assert len(groups) >= 3
+    assert sorted(torch.cat([g[0] for g in groups]).tolist()) == list(range(len(lens)))
+    assert sum(g[1].numel() for g in groups) <= 2 * sum(lens) + max(lens)
+    assert_close(cpu_attention.decode_attention(*args), reference.decode_attention(*args))
+
+
+def test_find_shared_prefixes_nested_runs() -> None:
+    """The finder reports each run once with the query rows behind it, nested runs after
+    their parent, and how many leading keys of each request the runs cover."""
+    q, _, _, kv_indptr, kv_indices, _ = decode_batch("nested", 1, 16, torch.float32)
+    batch = torch.arange(len(kv_indptr))
+    groups, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
+    runs = sorted((len(g.slots), g.q_rows.tolist()) for g in groups)
+    assert runs == [(64, [0, 1]), (64, [3, 4]), (128, [0, 1, 2])]
+    assert skip.tolist() == [192, 192, 128, 64, 64, 0]
+    short = kv_indices[: MIN_SHARED_KEYS - 1]  # two requests sharing one key too few
+    assert (
+        find_shared_prefixes(torch.arange(3), indptr([63, 63]), torch.cat([short, short]))[0] == ()
+    )
+
+
+# ---------------------------------------------------------------- the spec itself
+
+
+def naive_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (Lq, D), keys/values (Lk, D), visible (Lq, Lk) bool -> (Lq, D), in float64."""
+    scores = (q.double() @ keys.double().T) * scale  # (Lq, Lk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ values.double()
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_extend_matches_naive(group: int) -> None:
+    """One head at a time in float64, with the mask written out: token i of a request with
+    P cached keys sees keys 0 .. P + i."""
+    q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale = extend_batch(
+        "nested", group, 16
+    )
+    expected = torch.zeros(q.shape, dtype=torch.float64)  # (T, H, D)
+    for b in range(len(qo_indptr) - 1):
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        slots = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        prefix, new = len(slots), rows.stop - rows.start
+        visible = torch.tensor([[j <= prefix + i for j in range(prefix + new)] for i in range(new)])
+        for h in range(q.shape[1]):
+            keys = torch.cat([k_buffer[slots, h // group], k[rows, h // group]])  # (P+E, D)
+            values = torch.cat([v_buffer[slots, h // group], v[rows, h // group]])
+            expected[rows, h] = naive_attention(q[rows, h], keys, values, visible, scale)
+    actual = reference.extend_attention(
+        q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale
+    )
+    torch.testing.assert_close(actual, expected.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_reference_decode_matches_naive(group: int) -> None:
+    """One head at a time in float64 over all the request's keys; no keys -> zeros."""
+    q, k_buffer, v_buffer, kv_indptr, kv_indices, scale = decode_batch(
+        "ragged", group, 1, torch.float32
+    )
+    expected = torch.zeros(q.shape, dtype=torch.float64)  # (B, H, D)
+    for b in range(q.shape[0]):
+        slots = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])]
+        visible = torch.ones(1, len(slots), dtype=torch.bool)
+        for h in range(q.shape[1]):
+            keys, values = k_buffer[slots, h // group], v_buffer[slots, h // group]
+            expected[b, h] = naive_attention(q[b, h][None], keys, values, visible, scale)[0]
+    assert torch.all(expected[0] == 0)  # the batch starts with an empty request
+    actual = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale)
+    torch.testing.assert_close(actual, expected.float(), atol=1e-5, rtol=0)
+
+
+def test_reference_decode_is_extend_of_one_token() -> None:
+    """Decode of the last token == extend of that token over the rest as its prefix."""
+    q, k_buffer, v_buffer, kv_indptr, kv_indices, scale = decode_batch(
+        "nested", 3, 1, torch.float32
+    )
+    last = kv_indptr[1:] - 1  # each request's newest key, by position in kv_indices
+    keep = torch.ones(len(kv_indices), dtype=torch.bool)
+    keep[last] = False
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+    assert min(lens) > 0, lens
+    extended = reference.extend_attention(
+        q, k_buffer[kv_indices[last]], v_buffer[kv_indices[last]], k_buffer, v_buffer,
+        indptr([1] * len(lens)), indptr([n - 1 for n in lens]), kv_indices[keep], scale,
+    )  # fmt: skip
+    decoded = reference.decode_attention(q, k_buffer, v_buffer, kv_indptr, kv_indices, scale)
+    torch.testing.assert_close(extended, decoded, atol=1e-6, rtol=0)
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_runs_on_any_device() -> None:
+    """The spec runs on the meta device (pools, activations and slots there; only the
+    lengths are read on the host) and calls no device-specific op such as torch's fused
+    `_scaled_dot_product_flash_attention_for_cpu`, so it can check kernels on CUDA."""
+    meta = torch.device("meta")
+    q, k, v, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, scale = extend_batch(
+        "nested", 3, 16
+    )
+    on_meta = [t.to(meta) for t in (q, k, v, k_buffer, v_buffer)]
+    with OpNames() as ops:
+        out = reference.extend_attention(*on_meta, qo_indptr, kv_indptr, kv_indices.to(meta), scale)
+        decoded = reference.decode_attention(
+            on_meta[0][:6], *on_meta[3:5], kv_indptr, kv_indices.to(meta), scale
+        )
+    assert out.device == meta and out.shape == q.shape and decoded.shape == (6, *q.shape[1:])
+    assert ops.names and not [name for name in ops.names if "_for_cpu" in name]
+    with OpNames() as fast:  # the check sees what the CPU fast path calls
+        cpu_attention.decode_attention(*decode_batch("nested", 3, 16, torch.float32))
+    assert any("_for_cpu" in name for name in fast.names)
+
+
+def test_get_ops_on_cpu_runs_the_fast_path_and_can_run_the_spec() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert get_ops("auto", cpu) is CPU_OPS and get_ops("torch", cpu) is CPU_OPS
+    assert CPU_OPS.decode_attention is cpu_attention.decode_attention
+    assert get_ops("reference", cpu) is REFERENCE_OPS and get_ops("torch", cuda) is REFERENCE_OPS
+    assert REFERENCE_OPS.prepare_decode is None  # the spec derives nothing per forward
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_ops("flash", cpu)
