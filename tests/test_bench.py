@@ -1,63 +1,100 @@
-"""`radixflow bench --quick` in-process on a small subset: the report's structure and sane
-values (equal work across systems, hit rates, prefix reuse). No assertions on speed."""
+"""`radixflow bench --quick` on a small subset through the CLI: the report's structure and
+sane values (equal work across systems, equal outputs, hit rates, prefix reuse), the chart;
+and the package's seams (workloads, arrivals, batching, roofline, the DSL forms, the peers'
+stdlib-only worker, the Engine's public API). No assertions on speed."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-from radixflow.runtime.bench import (
-    Arrivals,
-    compute_roofline,
-    main,
-    percentile,
-    plan_batches,
-    roofline_note,
-)
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "programs"))
+from radixflow.bench import dsl, workloads
+from radixflow.bench.baselines import WORKER_STUB, plan_batches
+from radixflow.bench.roofline import compute_roofline, roofline_note
+from radixflow.bench.rounds import Arrivals, percentile
 
-import workloads  # noqa: E402
-
+BENCH = Path(workloads.__file__).resolve().parent
 KEYS = {
     "workload", "system", "wall_s", "output_tokens", "tokens_per_s", "ttft_mean_s",
     "ttft_p99_s", "itl_p99_s", "prefill_tokens", "cache_hit_rate", "best_hit_rate",
-    "peak_rss_mb",
+    "peak_rss_mb", "output_digest",
 }  # fmt: skip
-SYSTEMS = ("radixflow", "radixflow-nocache", "transformers")
+SYSTEMS = ("radixflow", "radixflow-dsl", "radixflow-nocache", "transformers")
 WORKLOADS = ("few_shot", "independent")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_quick_bench_writes_a_sane_report(tmp_path: Path) -> None:
+def test_quick_bench_writes_a_sane_report_and_a_chart(tmp_path: Path) -> None:
     import torch
 
-    path = tmp_path / "out.json"
-    argv = ["--quick", "--json", str(path), "--workloads", ",".join(WORKLOADS)]
+    from radixflow.runtime.cli import main
+
+    path, plot = tmp_path / "out.json", tmp_path / "x.png"
+    argv = ["bench", "--quick", "--json", str(path), "--plot", str(plot)]
+    argv += ["--workloads", ",".join(WORKLOADS), "--systems", ",".join(SYSTEMS)]
     threads = torch.get_num_threads()
     try:  # one thread: on a shared machine, OpenMP stalls would make this take minutes
-        assert main([*argv, "--systems", ",".join(SYSTEMS), "--threads", "1"]) == 0
+        assert main([*argv, "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
     report = json.loads(path.read_text())
     assert {"cpu", "cores", "torch", "date"} <= set(report["machine"])
+    assert report["skipped"] == []
     rows = {(r["workload"], r["system"]): r for r in report["results"]}
     assert set(rows) == {(w, s) for w in WORKLOADS for s in SYSTEMS}
-    for row in rows.values():
+    for (_, system), row in rows.items():
         assert KEYS <= set(row)
         assert row["output_tokens"] > 0 and row["wall_s"] > 0 and row["tokens_per_s"] > 0
-        assert 0 < row["ttft_mean_s"] <= row["ttft_p99_s"] <= row["wall_s"]
+        if system == "radixflow-dsl":  # a program sees whole generations, not token times
+            assert row["ttft_mean_s"] is None and row["itl_p99_s"] is None
+        else:
+            assert 0 < row["ttft_mean_s"] <= row["ttft_p99_s"] <= row["wall_s"]
         assert 0.0 <= row["cache_hit_rate"] <= row["best_hit_rate"] + 1e-9 <= 1.0 + 1e-9
         assert row["peak_rss_mb"] > 0
-    for workload in WORKLOADS:  # equal work: same token counts on every system
+    for workload in WORKLOADS:  # equal work: same token counts, and (greedy) same outputs
         assert len({rows[workload, s]["output_tokens"] for s in SYSTEMS}) == 1
+        ours = rows[workload, "radixflow"]["output_digest"]
+        for system in ("radixflow-dsl", "radixflow-nocache"):
+            assert rows[workload, system]["output_digest"] == ours, (workload, system)
     ours, ablation = rows["few_shot", "radixflow"], rows["few_shot", "radixflow-nocache"]
     assert ours["prefill_tokens"] < ablation["prefill_tokens"]
+    assert rows["few_shot", "radixflow-dsl"]["prefill_tokens"] < ablation["prefill_tokens"]
     assert ours["cache_hit_rate"] >= 0.9 * ours["best_hit_rate"] > 0
     assert ablation["cache_hit_rate"] == rows["few_shot", "transformers"]["cache_hit_rate"] == 0
     speedups = {(s["workload"], s["baseline"]) for s in report["speedups"]}
     assert speedups == {(w, s) for w in WORKLOADS for s in SYSTEMS[1:]}
+    picture = plot.read_bytes()
+    assert picture.startswith(PNG_MAGIC) and len(picture) > 10_000
+
+
+def test_a_saved_run_redraws_without_running(tmp_path: Path) -> None:
+    from radixflow.bench.cli import main
+
+    saved = {
+        "machine": {"cpu": "Test CPU", "cores": 2, "date": "2026-12-01", "quick": True},
+        "speedups": [{"workload": "few_shot", "baseline": "transformers", "speedup": 3.0}],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    plot = tmp_path / "again.png"
+    assert main(["--from-json", str(tmp_path / "run.json"), "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_engine_is_driven_only_through_its_public_api() -> None:
+    """No module of the bench reaches into the scheduler or builds requests itself."""
+    internals = re.compile(
+        r"radixflow\.runtime\.(request|scheduler|batch|radix_cache|kv_pool)\b|\bReq\(|\.scheduler\b"
+    )
+    for module in sorted(BENCH.glob("*.py")):
+        hits = [line for line in module.read_text().splitlines() if internals.search(line)]
+        assert not hits, f"{module.name}: {hits}"
 
 
 def test_best_hit_rate_counts_the_token_trie() -> None:
@@ -67,13 +104,70 @@ def test_best_hit_rate_counts_the_token_trie() -> None:
     assert workloads.best_hit_rate([([(1,), (2,)], [])]) == 0.0
 
 
-def test_workloads_are_deterministic_and_replayable() -> None:
-    def encode(text: str) -> list[int]:
-        return [ord(c) % 50 for c in text]
+CHARS = workloads.Codec(
+    lambda text: [ord(c) for c in text], lambda ids: "".join(chr(t) for t in ids)
+)  # one id per character: ids and text convert both ways exactly
 
+
+def test_workloads_are_deterministic_and_replayable() -> None:
     for name in workloads.WORKLOADS:
-        first, again = (workloads.describe(name, encode, quick=True) for _ in range(2))
+        first, again = (workloads.describe(name, CHARS, quick=True) for _ in range(2))
         assert first == again and first["prompt_tokens"] > 0 and first["new_tokens"] > 0
+
+
+class RecordingBackend:
+    """A stand-in server for the DSL programs: records every prompt text it is sent and
+    answers deterministically from it (a generation's text, a select's favourite option)."""
+
+    def __init__(self) -> None:
+        self.generated: list[str] = []
+        self.scored: list[str] = []
+
+    def generate(self, text: str, sampling: dict[str, Any], **options: Any) -> dict[str, Any]:
+        self.generated.append(text)
+        n = sampling["max_new_tokens"]
+        meta = {"completion_tokens": n}
+        return {"text": f" w{len(text)}", "output_ids": [7] * n, "meta_info": meta}
+
+    def score(self, prefix: str, continuations: list[str], unconditional: bool) -> list[dict]:
+        self.scored.append(prefix)
+        best = len(prefix) % len(continuations)
+        return [
+            {"text": c, "token_ids": [1], "logprobs": [0.0 if k == best else -1.0],
+             "unconditional_logprobs": None}
+            for k, c in enumerate(continuations)
+        ]  # fmt: skip
+
+    def cache_prefix(self, text: str) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize("name", sorted(dsl.PROGRAMS))
+def test_dsl_programs_send_exactly_the_rounds_prompts(name: str) -> None:
+    """Every program form sends the prompts the token-level rounds encode, round for round:
+    the live test compares outputs on two workloads; this covers every program form."""
+    backend = RecordingBackend()
+    workload = workloads.WORKLOADS[name](CHARS, True)
+    states = dsl.PROGRAMS[name].run_batch(
+        workload.programs, backend=backend, num_threads=1, chat_template="default"
+    )
+    assert all(s.error() is None for s in states)
+    per_program = [s.ret_value for s in states]
+    calls, generations, selects = next(workload.rounds), [], []
+    for index in range(len(per_program[0])):
+        outputs = [out for program in per_program for out in program[index]]
+        for call in calls:
+            (selects if call.options else generations).append(CHARS.decode(list(call.input_ids)))
+        try:
+            calls = workload.rounds.send(
+                [o if c.options else o["text"] for c, o in zip(calls, outputs)]
+            )
+        except StopIteration:
+            break
+    assert sorted(backend.generated) == sorted(generations)
+    assert sorted(backend.scored) == sorted(selects)
+    again = dsl.replay(workloads.WORKLOADS[name](CHARS, True), per_program)
+    assert len(again.rounds) == len(per_program[0])
 
 
 def test_late_calls_arrive_when_the_lead_has_enough_tokens() -> None:
@@ -94,6 +188,22 @@ def test_naive_batches_respect_kind_rows_and_tokens() -> None:
     assert [len(b) for b in batches] == [64, 6, 1, 2]
     assert [len(b) for b in plan_batches([call(20000), call(20000)], [0, 1])] == [1, 1]
     assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0 and percentile([], 0.5) is None
+
+
+def test_the_peer_worker_runs_on_the_standard_library_alone() -> None:
+    """`python -I -S`: no site-packages, so neither radixflow nor numpy; the worker still
+    loads, answers a load it cannot do with an error line, and quits."""
+    messages = [{"op": "load", "args": {"model_path": "x", "max_model_len": 8}}, {"op": "quit"}]
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", WORKER_STUB, str(BENCH / "peers.py"), "vllm"],
+        input="".join(json.dumps(m) + "\n" for m in messages),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout.splitlines()[0])
+    assert reply["error"].startswith("ModuleNotFoundError") and "vllm" in reply["error"]
 
 
 def test_roofline_is_measured_on_the_models_shapes_and_stated_as_a_share() -> None:

@@ -1,0 +1,5 @@
+import sys
+
+from radixflow.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,138 @@
+"""The driver: runs a workload's rounds on a system, times them, samples memory, and turns what
+happened into one result row (the JSON fields `radixflow bench` has always written)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixflow.bench.rounds import RoundResult, System, mean, percentile
+from radixflow.bench.workloads import Workload, best_hit_rate, prompts_of
+
+
+class RssSampler:
+    """Peak resident memory of a process tree, sampled every 50 ms while in the block."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_mb, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.pid)
+        while True:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in tree)
+                self.peak_mb = max(self.peak_mb, rss / 2**20)
+            except psutil.Error:
+                pass  # a child exited between listing and reading: the next sample counts
+            if self._stop.wait(0.05):
+                return
+
+
+@dataclass
+class Tally:
+    """What a workload's rounds did on one system, summed as they run."""
+
+    wall: float = 0.0
+    rounds: list[tuple[list[Any], list[Any]]] = field(default_factory=list)  # for best_hit_rate
+    lengths: list[list[int]] = field(default_factory=list)  # per round: tokens per call
+    outputs: list[list[Any]] = field(default_factory=list)  # per round: text, or option index
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    prefill: int = 0
+    cached: int = 0
+
+    def add(self, workload: Workload, calls: list[Any], result: RoundResult) -> None:
+        """Count one round; generation outputs may be token ids or (DSL) their text."""
+        text = workload.codec.text
+        gens = [(c, o) for c, o in zip(calls, result.outputs) if not c.options]
+        finished = [c.input_ids + tuple(_ids(workload, o)) for c, o in gens]
+        self.rounds.append((prompts_of(calls), finished))
+        self.outputs.append([o if c.options else text(o) for c, o in zip(calls, result.outputs)])
+        self.ttfts += result.ttfts
+        self.itls += result.itls
+        self.prefill += result.prefill_tokens
+        self.cached += result.cached_tokens
+
+    def row(self, workload: Workload, system: str, peak_rss_mb: float) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for prompts, _ in self.rounds for p in prompts)
+        output_tokens = sum(map(sum, self.lengths))
+        digest = hashlib.sha256(json.dumps(self.outputs).encode()).hexdigest()[:16]
+        return {
+            "workload": workload.name,
+            "system": system,
+            "wall_s": self.wall,
+            "output_tokens": output_tokens,
+            "tokens_per_s": output_tokens / self.wall,
+            "programs_per_s": workload.num_programs / self.wall,
+            "ttft_mean_s": mean(self.ttfts),
+            "ttft_p99_s": percentile(self.ttfts, 0.99),
+            "itl_p99_s": percentile(self.itls, 0.99),
+            "prefill_tokens": self.prefill,
+            "cache_hit_rate": self.cached / prompt_tokens if prompt_tokens else 0.0,
+            "best_hit_rate": best_hit_rate(self.rounds),
+            "peak_rss_mb": peak_rss_mb,
+            "output_digest": digest,  # equal digests: equal outputs (texts, chosen options)
+        }
+
+
+def _ids(workload: Workload, out: Any) -> list[int]:
+    return workload.codec.encode(out) if isinstance(out, str) else list(out)
+
+
+def run_workload(
+    system: System, workload: Workload, references: dict[str, list[list[int]]]
+) -> dict[str, Any]:
+    """Run every round of `workload` on `system`; wall time counts only the rounds themselves.
+    A constrained system records its JSON output lengths; the others generate that many."""
+    reference = None if system.constrained else references.get(workload.name)
+    tally = Tally()
+    system.start_workload()
+    calls = next(workload.rounds)
+    with RssSampler(system.pid or os.getpid()) as rss:
+        for round_index in itertools.count():
+            if reference:
+                calls = [
+                    dataclasses.replace(c, max_new_tokens=max(n, 1)) if c.json_schema else c
+                    for c, n in zip(calls, reference[round_index])
+                ]
+            start = time.perf_counter()
+            result = system.run_round(calls)
+            tally.wall += time.perf_counter() - start
+            tally.add(workload, calls, result)
+            tally.lengths.append(
+                [0 if c.options else len(o) for c, o in zip(calls, result.outputs)]
+            )
+            try:
+                calls = workload.rounds.send(result.outputs)
+            except StopIteration:
+                break
+    system.end_workload()
+    if system.constrained:
+        references.setdefault(workload.name, tally.lengths)
+    return tally.row(workload, system.name, rss.peak_mb)
+
+
+def warm_up(system: System, call: Any) -> None:
+    """One tiny untimed round: first-call costs (kernel selection, allocation) stay out."""
+    system.start_workload()
+    system.run_round([call])
+    system.end_workload()
