@@ -21,6 +21,7 @@ from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.radix_cache import RadixCache
 from radixflow.runtime.request import Req, ReqState
 from radixflow.runtime.schedule_policy import order_waiting, shares_uncached
+from radixflow.runtime.step_log import SchedulerMetrics
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -47,6 +48,7 @@ class Scheduler:
         vocab_size: int,
         decode: Callable[[list[int]], str],
         grammars: Any = None,
+        clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
     ) -> None:
         self.config = config
         self.runner = runner
@@ -62,6 +64,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.step_count = 0
+        self.clock, self.metrics, self.admit_stop = clock, SchedulerMetrics(), None
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio
@@ -84,6 +87,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         """Queue a request; an impossible one finishes at once with an error."""
         req.arrival_step = self.step_count
+        self.metrics.arrived(req)
         problem = self._check_fits(req)
         if problem:
             self._fail(req, problem)
@@ -129,6 +133,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one scheduling step; return the requests that progressed or finished."""
         self.step_count += 1
+        start = self.clock()
         updated = self._poll_grammars()
         updated += self._make_decode_room()
         decodes = list(self.running)
@@ -144,6 +149,7 @@ class Scheduler:
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
             updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+            self.metrics.stepped(self, plan, extends, start)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
             log.exception("step %d failed; its requests get an error", self.step_count)
             updated += self._fail_batch(extends + decodes, f"internal error in this step: {e!r}")
@@ -181,7 +187,7 @@ class Scheduler:
             short = self._decode_pages_needed() - self.pool.num_free_pages
             if short <= 0:
                 break
-            if self.tree.evict(short * self.pool.page_size) > 0:
+            if self.metrics.evicted(self.tree.evict(short * self.pool.page_size)) > 0:
                 continue
             if len(self.running) == 1:
                 failed.append(self._fail_running(self.running[0], "out of KV memory"))
@@ -239,10 +245,12 @@ class Scheduler:
                 budget -= chunk
         admitted_cost = 0.0
         in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
+        self.admit_stop = None  # why admission stopped; None: the queue ran out
         for req in order_waiting(
             self.waiting, self.tree, self.config.schedule_policy, self.step_count
         ):
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
+                self.admit_stop = "token_budget" if budget <= 0 else "running_cap"
                 break
             prefix, node = self.tree.match_prefix(
                 np.asarray(req.fill_ids[: req.max_prefix_len], I64)
@@ -263,9 +271,11 @@ class Scheduler:
                 elif extends:  # chunking off: only the step's first prefill may exceed
                     chunk = 0
             if chunk == 0 or chunk > available or (cost > room and not alone):
+                self.admit_stop = "token_budget" if chunk == 0 else "kv"
                 self.tree.unlock(node)
                 break
             if not self._start(req, prefix, node, chunk):
+                self.admit_stop = "kv"
                 self.tree.unlock(node)
                 break
             self.waiting.remove(req)
@@ -333,7 +343,7 @@ class Scheduler:
             return []
         short = count - self.pool.num_free_pages
         if short > 0:
-            self.tree.evict(short * self.pool.page_size)
+            self.metrics.evicted(self.tree.evict(short * self.pool.page_size))
         return self.pool.alloc_pages(count)
 
     # ---- the plan --------------------------------------------------------------------------
@@ -362,7 +372,7 @@ class Scheduler:
         decodes: list[Req],
         sample_reqs: list[Req],
     ) -> list[Req]:
-        now = time.monotonic()
+        now = self.clock()
         self._store_input_logprobs(plan, result, extends)
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
@@ -491,6 +501,7 @@ class Scheduler:
         if reason["type"] in ("abort", "error") and req.error is None:
             req.error = reason.get("message", reason["type"])
         self._release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
+        self.metrics.finished(req, self.clock())
         req.state = ReqState.FINISHED
         self.counters["finished_requests"] += 1
 
@@ -547,6 +558,7 @@ class Scheduler:
             "running_requests": len(self.running) + (1 if self.chunked else 0),
             "waiting_requests": len(self.waiting) + len(self.grammar_queue),
             "new_token_ratio": self.new_token_ratio,
+            **self.metrics.stats(self),
         }
 
     def check_invariants(self) -> None:

@@ -1,0 +1,169 @@
+"""A picture of the radix tree: which prefixes requests share, and what eviction would drop.
+
+`dump_tree` (torch-free, in the scheduler's idle stats as `radix_tree`) lists the nodes
+breadth first, each with its parent, token count, lock count (ref), last access (the tree's
+logical clock: larger is more recent) and the decoded start of its run. `render_text` prints
+it as an indented tree; `render_png` draws it (matplotlib, imported only there). Unlocked
+leaves are what `evict` takes, least recently used first: both renderings mark them.
+
+    radixflow tree --url tcp://127.0.0.1:30001 --png tree.png
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from radixflow.runtime.radix_cache import Node, RadixCache
+
+MAX_NODES = 200
+LABEL_TOKENS = 12
+
+
+def dump_tree(
+    tree: RadixCache, decode: Callable[[list[int]], str], max_nodes: int = MAX_NODES
+) -> dict[str, Any]:
+    """The tree as plain data (msgpack-safe): at most `max_nodes` nodes, biggest first."""
+    nodes: list[dict[str, Any]] = []
+    queue: list[tuple[Node, int]] = [(tree.root, -1)]
+    total = 0
+    while queue:
+        node, parent = queue.pop(0)
+        total += 1
+        if len(nodes) >= max_nodes:
+            continue
+        index = len(nodes)
+        head = node.key[:LABEL_TOKENS].tolist()
+        nodes.append(
+            {
+                "id": index,
+                "parent": parent,
+                "tokens": len(node.key),
+                "ref": node.lock_ref if node is not tree.root else 0,
+                "last_access": node.last_access,
+                "leaf": not node.children,
+                "text": decode(head) if head else "",
+            }
+        )
+        children = sorted(node.children.values(), key=lambda n: -subtree_tokens(n))
+        queue += [(child, index) for child in children]
+    return {
+        "nodes": nodes,
+        "total_nodes": total - 1,
+        "tokens": tree.total_size,
+        "evictable_tokens": tree.evictable_size,
+        "truncated": total > max_nodes,
+    }
+
+
+def subtree_tokens(node: Node) -> int:
+    stack, count = [node], 0
+    while stack:
+        n = stack.pop()
+        count += len(n.key)
+        stack.extend(n.children.values())
+    return count
+
+
+def eviction_order(dump: dict[str, Any]) -> list[int]:
+    """Ids of the unlocked leaves in the order `evict` would take them (LRU first)."""
+    leaves = [n for n in dump["nodes"] if n["leaf"] and n["parent"] >= 0 and n["ref"] == 0]
+    return [n["id"] for n in sorted(leaves, key=lambda n: n["last_access"])]
+
+
+def _children(dump: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
+    kids: dict[int, list[dict[str, Any]]] = {}
+    for n in dump["nodes"]:
+        kids.setdefault(n["parent"], []).append(n)
+    return kids
+
+
+def _label(n: dict[str, Any], limit: int = 28) -> str:
+    text = n["text"].replace("\n", "\\n")
+    return repr(text[:limit] + ("…" if len(text) > limit or n["tokens"] > LABEL_TOKENS else ""))
+
+
+def render_text(dump: dict[str, Any]) -> str:
+    """An indented tree: run start, tokens, ref count, last access; `evict#k` marks the k-th
+    leaf eviction would take."""
+    kids, order = _children(dump), eviction_order(dump)
+    rank = {node_id: k + 1 for k, node_id in enumerate(order)}
+    lines = [
+        f"radix tree: {dump['tokens']} tokens in {dump['total_nodes']} nodes "
+        f"({dump['evictable_tokens']} evictable)" + (" [truncated]" if dump["truncated"] else "")
+    ]
+
+    def walk(node_id: int, indent: str) -> None:
+        children = kids.get(node_id, [])
+        for i, n in enumerate(children):
+            last = i == len(children) - 1
+            mark = f"  evict#{rank[n['id']]}" if n["id"] in rank else ""
+            lines.append(
+                f"{indent}{'└─' if last else '├─'} {_label(n)}  {n['tokens']} tok, "
+                f"ref {n['ref']}, last access {n['last_access']}{mark}"
+            )
+            walk(n["id"], indent + ("   " if last else "│  "))
+
+    walk(0, "")
+    return "\n".join(lines)
+
+
+def layout(dump: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """(x, y) per node: x = tokens from the root, leaves on consecutive rows, a parent at
+    the middle of its children."""
+    kids = _children(dump)
+    pos: dict[int, tuple[float, float]] = {}
+    row = [0]
+
+    def place(node: dict[str, Any], depth: float) -> float:
+        x = depth + node["tokens"]
+        children = kids.get(node["id"], [])
+        if not children:
+            y = float(row[0])
+            row[0] += 1
+        else:
+            y = sum(place(c, x) for c in children) / len(children)
+        pos[node["id"]] = (x, y)
+        return y
+
+    place(dump["nodes"][0], 0.0)
+    return pos
+
+
+def render_png(dump: dict[str, Any], path: str, title: str = "") -> None:
+    """Draw the tree to `path`: edges as long as their runs (tokens), width by sharing,
+    locked runs blue, evictable grey, the next leaves to evict red (numbered)."""
+    import matplotlib  # noqa: PLC0415 (optional, heavy)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    pos, order = layout(dump), eviction_order(dump)
+    rank = {node_id: k + 1 for k, node_id in enumerate(order)}
+    leaves = sum(1 for n in dump["nodes"] if n["leaf"])
+    fig, ax = plt.subplots(figsize=(13, max(3.0, 0.32 * leaves + 1.2)))
+    for n in dump["nodes"][1:]:
+        (x0, y0), (x1, y1) = pos[n["parent"]], pos[n["id"]]
+        color = "tab:blue" if n["ref"] else ("tab:red" if rank.get(n["id"], 99) <= 3 else "0.55")
+        ax.plot([x0, x0, x1], [y0, y1, y1], color=color, lw=1.5 if n["leaf"] else 3.0)
+        ax.plot([x1], [y1], "o", color=color, ms=4)
+        note = f"{_label(n, 22)} {n['tokens']}t" + (f" r{n['ref']}" if n["ref"] else "")
+        if n["id"] in rank:
+            note += f" evict#{rank[n['id']]}"
+        ax.annotate(note, (x1, y1), xytext=(4, 2), textcoords="offset points", fontsize=7)
+    ax.plot([0], [pos[0][1]], "ks", ms=6)
+    ax.set_xlabel("tokens from the root (shared runs are the thick trunk segments)")
+    ax.set_yticks([])
+    span = max(x for x, _ in pos.values()) if pos else 1
+    ax.set_xlim(-0.02 * span, span * 1.35)
+    ax.invert_yaxis()
+    ax.set_title(
+        title
+        or f"radix tree: {dump['tokens']} tokens, {dump['total_nodes']} nodes "
+        f"(blue locked, grey evictable, red next to evict)"
+    )
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
