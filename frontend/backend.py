@@ -2,7 +2,12 @@
 
     runtime = Runtime(model_path="smollm2")          # starts `radixflow serve --port 0`
     out = runtime.endpoint.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+    runtime.url                                      # http://127.0.0.1:P (SGLang, OpenAI /v1)
     runtime.shutdown()
+
+`RuntimeEndpoint("tcp://...")` speaks radixflow's ZeroMQ protocol (below);
+`RuntimeEndpoint("http://...")` speaks SGLang's HTTP API (`radixflow.http_endpoint`), with the
+same methods, so a program runs against either door, or against an SGLang server.
 
 One RuntimeEndpoint is shared by many program threads: a background I/O thread owns the
 DEALER socket, callers hand it frames through a queue (and a wake-up pipe) and wait on a
@@ -20,6 +25,7 @@ import contextlib
 import math
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +39,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from radixflow.http_endpoint import HttpEndpointMethods, HttpTransport
 from radixflow.runtime.config import config_from_kwargs
 from radixflow.runtime.messages import (
     CLIENT_REPLIES,
@@ -57,6 +64,7 @@ from radixflow.runtime.messages import (
 
 CONNECT_TIMEOUT_S = 10.0  # longest wait for the first connection before a call fails
 READY_PREFIX = "radixflow ready on "
+READY_ADDRESSES = re.compile(r"(https?://\S+).*?(tcp://\S+)")
 
 
 class RuntimeEndpointError(RuntimeError):
@@ -203,9 +211,14 @@ class RuntimeEndpoint:
     generation is aborted on the server), or at once when the server is unreachable or goes
     away (a dropped connection, a server killed)."""
 
+    def __new__(cls, address: str = "tcp://127.0.0.1:30001", *args: Any, **kwargs: Any) -> Any:
+        if cls is RuntimeEndpoint and address.startswith(("http://", "https://")):
+            return super().__new__(HttpRuntimeEndpoint)
+        return super().__new__(cls)
+
     def __init__(
         self,
-        address: str = "tcp://127.0.0.1:30000",
+        address: str = "tcp://127.0.0.1:30001",
         api_key: str | None = None,
         timeout: float = 60.0,
     ) -> None:
@@ -331,8 +344,29 @@ class RuntimeEndpoint:
     def health(self) -> dict[str, Any]:
         return self._call(Health(_new_rid()), None)
 
+    def get_server_info(self) -> dict[str, Any]:
+        return {**self.model_info(), **self.stats()}
+
     def close(self) -> None:
         self._connection.close()
+
+    # ---- SGLang's endpoint methods (both doors) -------------------------------------------
+
+    def get_model_name(self) -> str:
+        return self.model_info()["model_path"]
+
+    def get_chat_template(self) -> Any:
+        from radixflow.chat_template import template_for_model
+
+        return template_for_model(self.model_info())
+
+    def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
+        """SGLang's fork join: the radix cache already holds every branch; nothing to do."""
+
+    def start_profile(self) -> None:
+        raise RuntimeEndpointError("profiling is not implemented by radixflow", "unsupported")
+
+    stop_profile = start_profile
 
     def __enter__(self) -> RuntimeEndpoint:
         return self
@@ -370,6 +404,20 @@ class RuntimeEndpoint:
             self._connection.send(Abort(_new_rid(), rid))  # its reply is dropped
 
 
+class HttpRuntimeEndpoint(HttpEndpointMethods, RuntimeEndpoint):
+    """RuntimeEndpoint("http://host:port"): SGLang's HTTP API, the same methods and errors."""
+
+    def __init__(
+        self,
+        address: str = "http://127.0.0.1:30000",
+        api_key: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.address, self.timeout, self.api_key = address, timeout, api_key
+        self.http = HttpTransport(address, api_key or "", timeout, RuntimeEndpointError)
+        self._model_info = None
+
+
 def _result(reply: Any) -> Any:
     if isinstance(reply, Error):
         raise RuntimeEndpointError(f"[{reply.code}] {reply.message}", reply.code)
@@ -382,6 +430,9 @@ def _new_rid() -> str:
 
 class Runtime:
     """Launch `python -m radixflow.runtime serve` as a subprocess and connect to it.
+
+    `.endpoint` is a ZeroMQ RuntimeEndpoint; `.url` the HTTP base URL (SGLang's native API,
+    OpenAI's at `.url + "/v1"`), `.address` the ZeroMQ one.
 
     `server_config_kwargs` are ServerConfig fields (max_total_tokens=8192, ...). The server is
     shut down by `shutdown()`, at interpreter exit, or as a context manager."""
@@ -400,11 +451,11 @@ class Runtime:
         cmd += _flags(server_config_kwargs)
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         atexit.register(self.shutdown)
-        self.address = self._wait_ready(launch_timeout)
+        self.url, self.address = self._wait_ready(launch_timeout)  # HTTP, ZeroMQ
         api_key = server_config_kwargs.get("api_key")
         self.endpoint = RuntimeEndpoint(self.address, api_key=api_key)
 
-    def _wait_ready(self, launch_timeout: float) -> str:
+    def _wait_ready(self, launch_timeout: float) -> tuple[str, str]:
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_pump_lines, args=(self.process, lines), daemon=True).start()
         deadline = time.monotonic() + launch_timeout
@@ -415,8 +466,9 @@ class Runtime:
                 if self.process.poll() is not None:
                     break
                 continue
-            if line.startswith(READY_PREFIX):
-                return line[len(READY_PREFIX) :].strip()
+            found = READY_ADDRESSES.search(line) if line.startswith(READY_PREFIX) else None
+            if found:
+                return found.group(1), found.group(2)
         self.shutdown()
         raise RuntimeError(
             f"the radixflow server did not start within {launch_timeout:.0f}s "

@@ -1,9 +1,11 @@
-"""The runtime server process: the client socket, validation, tokenization, streaming.
+"""The runtime server process: both client doors, validation, tokenization, streaming.
 
-One loop (`Server.serve`): poll the client ROUTER socket and the scheduler's PULL queue, turn
-client frames into scheduler requests (or answer them at once: errors, health, stats,
-model_info never wait on the model), turn scheduler updates into replies, then housekeeping
-(scheduler alive? clients alive? log line). The scheduler runs in its own process
+One asyncio loop (`Server.run`) owns everything: the ZeroMQ ROUTER for radixflow's own
+protocol, the HTTP door (`runtime/http_api.py`: SGLang's native API, the OpenAI-compatible
+API and /metrics) and the scheduler's PULL queue. Client requests from either door become the
+same typed messages and the same Jobs (`runtime/jobs.py`); a Job's `identity` is a ZeroMQ
+identity (bytes) or an HTTP handler's sink, and `_send` routes each reply to its door. Errors,
+health and stats never wait on the model. The scheduler runs in its own process
 (runtime/scheduler_loop.py); if it dies, every request in flight gets an error, the server
 reports unhealthy and starts a new one. The protocol is in `runtime/messages.py`.
 
@@ -14,6 +16,8 @@ check, shared with the offline Engine).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -24,17 +28,18 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.jobs import FlushJob, GenerateJob, Job, ScoreJob, prefill_spec
 from radixflow.runtime.messages import (
     CLIENT_REQUESTS,
     CLIENT_TIMEOUT_S,
     ERROR_BAD_MESSAGE,
     ERROR_DUPLICATE_RID,
-    ERROR_FAILED,
     ERROR_INTERNAL,
     ERROR_INVALID_REQUEST,
     ERROR_SHUTDOWN,
@@ -46,7 +51,6 @@ from radixflow.runtime.messages import (
     AbortRequests,
     AddRequests,
     CachePrefix,
-    Chunk,
     Error,
     Flush,
     FlushCache,
@@ -58,7 +62,6 @@ from radixflow.runtime.messages import (
     ProtocolError,
     ReqSpec,
     RequestUpdates,
-    ReqUpdate,
     Result,
     SchedulerReady,
     SchedulerStats,
@@ -68,9 +71,9 @@ from radixflow.runtime.messages import (
     decode_with_key,
     encode,
 )
+from radixflow.runtime.metrics import Metrics
 from radixflow.runtime.request import RequestLimits
 from radixflow.runtime.sampling import SamplingParams
-from radixflow.runtime.tokenizer import IncrementalDetokenizer, build_output, trim_at_stop
 from radixflow.runtime.transport import (
     PullQueue,
     PushQueue,
@@ -91,6 +94,8 @@ MAX_TOP_LOGPROBS = 64
 MAX_RID_LEN = 256
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 CLIENT_CHECK_INTERVAL_S = 0.5
+MAX_PUMPS = 8  # drain rounds per callback before yielding to the HTTP handlers
+MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
 
 
 class ServerStartError(RuntimeError):
@@ -103,169 +108,6 @@ class RequestError(ValueError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-PREFILL_ONLY = SamplingParams(max_new_tokens=0)
-
-
-def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
-    """A prefill-only request; input logprobs from `logprob_start_len` (-1: none)."""
-    return ReqSpec(
-        "",
-        ids,
-        PREFILL_ONLY,
-        return_logprob=logprob_start_len >= 0,
-        logprob_start_len=logprob_start_len,
-    )
-
-
-class Job:
-    """A client request in flight: its scheduler rids and how their updates become replies.
-
-    This base class serves cache_prefix (one prefill-only request; the result is its
-    meta_info). `on_update` returns the replies an update causes: chunks, or one final."""
-
-    def __init__(self, identity: bytes, rid: str) -> None:
-        self.identity = identity
-        self.rid = rid
-        self.internal: list[str] = []  # scheduler rids, assigned by the server
-        self.abort_requested = False
-
-    def on_update(self, update: ReqUpdate) -> list[Any]:
-        if not update.finished:
-            return []
-        meta = {**(update.meta_info or {}), "id": self.rid}
-        return [self.failure(update) or Result(self.rid, {"meta_info": meta})]
-
-    def failure(self, update: ReqUpdate) -> Error | None:
-        """The error reply for a request the scheduler failed (or aborted unasked)."""
-        kind = (update.finish_reason or {}).get("type")
-        if kind == "error" or (kind == "abort" and not self.abort_requested):
-            return Error(self.rid, ERROR_FAILED, update.error or f"finished: {kind}")
-        return None
-
-
-class FlushJob(Job):
-    """flush_cache: answered by the scheduler's FlushDone, not by request updates."""
-
-
-class GenerateJob(Job):
-    def __init__(
-        self,
-        identity: bytes,
-        msg: Generate,
-        input_ids: list[int],
-        sampling: SamplingParams,
-        tokenizer: Any,
-    ) -> None:
-        super().__init__(identity, msg.rid)
-        self.msg, self.input_ids, self.sampling, self.tokenizer = (
-            msg,
-            input_ids,
-            sampling,
-            tokenizer,
-        )
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[Any] = []
-        self.detokenizer = (
-            IncrementalDetokenizer(
-                tokenizer, input_ids, skip_special_tokens=sampling.skip_special_tokens
-            )
-            if msg.stream
-            else None
-        )
-
-    def on_update(self, update: ReqUpdate) -> list[Any]:
-        self.output_ids += update.new_ids
-        self.logprobs += update.new_logprobs
-        self.top_logprobs += update.new_top_logprobs
-        if update.finished:
-            return [self.failure(update) or Result(self.rid, self.output(update))]
-        if self.detokenizer is None:
-            return []
-        text = visible_text(self.detokenizer.update(self.output_ids), self.sampling.stop)
-        meta = {**(update.meta_info or {}), "id": self.rid}
-        if self.msg.return_logprob:
-            new = zip(update.new_logprobs, update.new_ids)
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in new]
-            meta["output_token_logprobs_length"] = len(self.logprobs)
-            if self.msg.top_logprobs_num:
-                meta["output_top_logprobs"] = update.new_top_logprobs
-        return [Chunk(self.rid, text, update.new_ids, meta)]
-
-    def output(self, update: ReqUpdate) -> dict[str, Any]:
-        """The final {text, output_ids, meta_info}, as the offline Engine builds it."""
-        msg = self.msg
-        return build_output(
-            self.tokenizer,
-            self.output_ids,
-            self.input_ids,
-            self.sampling,
-            update.finish_reason,
-            {**(update.meta_info or {}), "id": self.rid},
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            output_logprobs=self.logprobs,
-            input_logprobs=update.input_logprobs,
-            output_top_logprobs=self.top_logprobs,
-            input_top_logprobs=update.input_top_logprobs,
-        )
-
-
-class ScoreJob(Job):
-    """score: one prefill-only request per continuation (then one per unconditional one)."""
-
-    def __init__(self, identity: bytes, msg: Score, continuations: list[list[int]]) -> None:
-        super().__init__(identity, msg.rid)
-        self.msg, self.continuations = msg, continuations
-        self.done: dict[str, ReqUpdate] = {}
-
-    def on_update(self, update: ReqUpdate) -> list[Any]:
-        if not update.finished:
-            return []
-        self.done[update.rid] = update
-        if len(self.done) < len(self.internal):
-            return []
-        updates = [self.done[rid] for rid in self.internal]
-        for u in updates:
-            failed = self.failure(u)
-            if failed is not None:
-                return [failed]
-        if any((u.finish_reason or {}).get("type") == "abort" for u in updates):
-            return [Result(self.rid, {"choices": [], "aborted": True})]
-        num = len(self.continuations)
-        choices = []
-        for i, ids in enumerate(self.continuations):
-            unconditional = _logprobs(updates[num + i], ids) if self.msg.unconditional else None
-            choices.append(
-                {
-                    "text": self.msg.continuations[i],
-                    "token_ids": ids,
-                    "logprobs": _logprobs(updates[i], ids),
-                    "unconditional_logprobs": unconditional,
-                }
-            )
-        return [Result(self.rid, {"choices": choices})]
-
-
-def _logprobs(update: ReqUpdate, ids: list[int]) -> list[float]:
-    """Input logprobs of the continuation tokens; a token without context counts 0.0."""
-    values = [0.0 if lp is None else lp for lp in update.input_logprobs]
-    assert len(values) == len(ids), f"{update.rid}: {len(values)=} {len(ids)=}"
-    return values
-
-
-def visible_text(text: str, stops: tuple[str, ...]) -> str:
-    """Streamed text: cut at a stop string, and hold back a tail that may begin one."""
-    if not stops:
-        return text
-    text, _ = trim_at_stop(text, stops)
-    hold = max(
-        (k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0
-    )
-    return text[: len(text) - hold]
 
 
 class Server:
@@ -284,7 +126,10 @@ class Server:
             self.ctx, self.ipc.from_scheduler, True, FROM_SCHEDULER
         )
         self.router: zmq.Socket | None = None
-        self.address = ""
+        self.address = ""  # tcp:// of the ZeroMQ door
+        self.http_url = ""  # http:// of the HTTP door
+        self.wakeup: asyncio.Event | None = None
+        self.metrics = Metrics(lambda: self.scheduler_stats)
         self.proc: subprocess.Popen[bytes] | None = None
         self.status = "starting"
         self.last_error = ""
@@ -318,8 +163,8 @@ class Server:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> str:
-        """Start the scheduler, wait until it has loaded the model, bind the client socket.
-        Returns the client address. Raises ServerStartError."""
+        """Start the scheduler, wait until it has loaded the model, bind the ZeroMQ socket.
+        Returns its address (the HTTP door binds in `run`). Raises ServerStartError."""
         self._spawn_scheduler()
         while self.status != "ok":
             if self.stopping:
@@ -328,34 +173,70 @@ class Server:
                 self._on_scheduler_message(msg)
             if self.status != "ok" and self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"the scheduler process exited ({self.proc.returncode})")
-        self.router, self.address = client_router(self.ctx, self.config.host, self.config.port)
+        port = self.config.zmq_port if self.config.port else 0  # --port 0: both ports free
+        self.router, self.address = client_router(self.ctx, self.config.host, port)
         if self.config.api_key:
-            log.warning("API key required: every message must carry it")
+            log.warning("API key required: every message and HTTP request must carry it")
         return self.address
 
     def request_stop(self, *_: object) -> None:
         """Signal handler: finish the current loop iteration, then shut down."""
         self.stopping = True
+        if self.wakeup is not None:
+            self.wakeup.set()
 
-    def serve(self) -> None:
-        """The loop: client frames, scheduler messages, housekeeping; until request_stop."""
+    async def run(self, announce: Callable[[str, str], None]) -> None:
+        """The loop, until request_stop: bind HTTP, call `announce(http_url, zmq_address)`,
+        then serve both doors; at the end every request in flight gets its final answer."""
+        from radixflow.runtime.http_api import HttpDoor  # aiohttp only in the server process
+
         assert self.router is not None, "start() first"
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.from_scheduler.socket, zmq.POLLIN)
-        while not self.stopping:
-            ready = dict(poller.poll(POLL_MS))
-            if self.router in ready:
-                self._drain_clients()
-            if self.from_scheduler.socket in ready:
-                for msg in self.from_scheduler.drain():
-                    self._on_scheduler_message(msg)
-            self._housekeeping()
+        loop = asyncio.get_running_loop()
+        self.wakeup = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        door = HttpDoor(self)
+        self.http_url = await door.start(self.config.host, self.config.port)
+        sockets = (self.router, self.from_scheduler.socket)
+        for sock in sockets:
+            loop.add_reader(sock.getsockopt(zmq.FD), self._pump)
+        announce(self.http_url, self.address)
+        try:
+            while not self.stopping:
+                self._pump()  # a safety net under the edge-triggered readers
+                self._housekeeping()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wakeup.wait(), POLL_MS / 1000)
+        finally:
+            log.info("shutting down: %d requests in flight", len(self.jobs))
+            for sock in sockets:
+                loop.remove_reader(sock.getsockopt(zmq.FD))
+            self.status = "stopping"
+            self._fail_all(ERROR_SHUTDOWN, "the server is shutting down")
+            await door.stop()  # HTTP handlers write those final answers first
+
+    def _pump(self) -> None:
+        """Drain the ROUTER and the scheduler queue. Their FDs are edge-triggered and a send
+        can consume an edge, so keep going until ZMQ_EVENTS shows nothing left."""
+        assert self.router is not None
+        for _ in range(MAX_PUMPS):
+            self._drain_clients()
+            for msg in self.from_scheduler.drain():
+                self._on_scheduler_message(msg)
+            waiting = self.router.getsockopt(zmq.EVENTS) | self.from_scheduler.socket.getsockopt(
+                zmq.EVENTS
+            )
+            if not waiting & zmq.POLLIN:
+                return
+        asyncio.get_running_loop().call_soon(self._pump)  # let HTTP handlers run meanwhile
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for job in list(self.jobs.values()):
+            self._end(job, Error(job.rid, code, message))
 
     def close(self) -> None:
         """Answer every request in flight, stop the scheduler, remove the ipc files."""
-        for job in list(self.jobs.values()):
-            self._end(job, Error(job.rid, ERROR_SHUTDOWN, "the server is shutting down"))
+        self._fail_all(ERROR_SHUTDOWN, "the server is shutting down")
         self._stop_scheduler()
         if self.router is not None:
             self.router.close(linger=2000)  # deliver the final replies
@@ -461,6 +342,12 @@ class Server:
             return
         if not isinstance(msg, Ping):
             self.counters[f"request_{msg.TAG}"] += 1
+        self.handle(identity, msg)
+
+    def handle(self, identity: Any, msg: Any) -> None:
+        """Run one client request (either door); its replies go to `identity` by `_send`,
+        an invalid one as an error reply."""
+        rid = getattr(msg, "rid", "")
         try:
             self.handlers[type(msg)](identity, msg)
         except RequestError as e:
@@ -471,7 +358,30 @@ class Server:
             self.counters[f"error_{ERROR_INTERNAL}"] += 1
             self._send(identity, Error(rid, ERROR_INTERNAL, f"{type(e).__name__}: {e}"))
 
-    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+    def submit_generates(self, requests: list[tuple[Any, Generate]]) -> None:
+        """Validate a batch of generate requests (an HTTP batch, or n > 1) and send them to
+        the scheduler as ONE add_requests, so they are admitted in the same step and share
+        their prompt's KV. Raises RequestError for the first invalid one; none is sent then."""
+        rids = [msg.rid for _, msg in requests]
+        if len(set(rids)) != len(rids):
+            raise RequestError(ERROR_DUPLICATE_RID, "the batch repeats a rid")
+        prepared = [self._prepare_generate(identity, msg) for identity, msg in requests]
+        self.counters["request_generate"] += len(prepared)
+        for job, _ in prepared:
+            self._register(job)
+        specs = [dataclasses.replace(s, rid=job.internal[0]) for job, s in prepared]
+        try:
+            self.to_scheduler.put(AddRequests(specs))
+        except TransportError as e:
+            for job, _ in prepared:
+                self._forget(job)
+            raise RequestError(ERROR_UNAVAILABLE, "the scheduler is not connected") from e
+
+    def _on_generate(self, identity: Any, msg: Generate) -> None:
+        job, spec = self._prepare_generate(identity, msg)
+        self._dispatch(job, [spec])
+
+    def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
         ids = self._prompt_ids(msg.text, msg.input_ids)
         sampling = self._sampling(msg.sampling_params)
@@ -494,9 +404,9 @@ class Server:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
         )
-        self._dispatch(job, [spec])
+        return job, spec
 
-    def _on_score(self, identity: bytes, msg: Score) -> None:
+    def _on_score(self, identity: Any, msg: Score) -> None:
         self._check_new(msg.rid)
         if not msg.continuations:
             raise RequestError(ERROR_INVALID_REQUEST, "continuations is empty")
@@ -511,33 +421,40 @@ class Server:
             self._check_limits(spec.input_ids, None)
         self._dispatch(ScoreJob(identity, msg, conts), specs)
 
-    def _on_cache_prefix(self, identity: bytes, msg: CachePrefix) -> None:
+    def _on_cache_prefix(self, identity: Any, msg: CachePrefix) -> None:
         self._check_new(msg.rid)
         ids = self._prompt_ids(msg.text, None)
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
 
-    def _on_abort(self, identity: bytes, msg: Abort) -> None:
-        job = self.jobs.get(msg.target_rid)
-        if job is not None and not isinstance(job, FlushJob):
-            self._abort(job, "aborted by the client")
-        self._send(identity, Result(msg.rid, {"aborted": job is not None}))
+    def _on_abort(self, identity: Any, msg: Abort) -> None:
+        found = msg.target_rid in self.jobs
+        self.abort_rid(msg.target_rid)
+        self._send(identity, Result(msg.rid, {"aborted": found}))
 
-    def _on_flush(self, identity: bytes, msg: FlushCache) -> None:
+    def _on_flush(self, identity: Any, msg: FlushCache) -> None:
         self._check_new(msg.rid)
         job = FlushJob(identity, msg.rid)
         self._register(job)
         self._put(Flush(job.internal[0]), job)
 
-    def _on_model_info(self, identity: bytes, msg: ModelInfo) -> None:
-        info = {
+    def _on_model_info(self, identity: Any, msg: ModelInfo) -> None:
+        self._send(identity, Result(msg.rid, self.model_info_data()))
+
+    def _on_stats(self, identity: Any, msg: Stats) -> None:
+        self._send(identity, Result(msg.rid, self.stats_data()))
+
+    def _on_health(self, identity: Any, msg: Health) -> None:
+        self._send(identity, Result(msg.rid, self.health_data()))
+
+    def model_info_data(self) -> dict[str, Any]:
+        return {
             **self.model_info,
             "max_new_tokens_limit": self.config.max_new_tokens_limit,
             "max_message_bytes": self.config.max_message_bytes,
             "protocol_version": PROTOCOL_VERSION,
         }
-        self._send(identity, Result(msg.rid, info))
 
-    def _on_stats(self, identity: bytes, msg: Stats) -> None:
+    def stats_data(self) -> dict[str, Any]:
         server = {
             **self.counters,
             "status": self.status,
@@ -546,11 +463,10 @@ class Server:
             "scheduler_restarts": self.restarts,
             "uptime_s": time.monotonic() - self.started,
         }
-        data = {**self.scheduler_stats, "idle_check": self.idle_check, "server": server}
-        self._send(identity, Result(msg.rid, data))
+        return {**self.scheduler_stats, "idle_check": self.idle_check, "server": server}
 
-    def _on_health(self, identity: bytes, msg: Health) -> None:
-        data = {
+    def health_data(self) -> dict[str, Any]:
+        return {
             "ok": self.status == "ok",
             "status": self.status,
             "scheduler_pid": self.proc.pid if self.proc is not None else None,
@@ -558,7 +474,23 @@ class Server:
             "last_error": self.last_error,
             "requests_in_flight": len(self.jobs),
         }
-        self._send(identity, Result(msg.rid, data))
+
+    def abort_rid(self, rid: str, message: str = "aborted by the client") -> bool:
+        """Abort request `rid` (either door's); False when it is not in flight."""
+        job = self.jobs.get(rid)
+        if job is None or isinstance(job, FlushJob):
+            return False
+        self._abort(job, message)
+        return True
+
+    def abort_identity(self, identity: Any, message: str) -> None:
+        """Abort every request still in flight for `identity` (an HTTP client that left);
+        their final replies are dropped."""
+        for job in [j for j in self.jobs.values() if j.identity is identity]:
+            if isinstance(job, FlushJob):
+                self._forget(job)
+            else:
+                self._abort(job, message)
 
     # ---- validation -----------------------------------------------------------------------
 
@@ -570,6 +502,14 @@ class Server:
             raise RequestError(ERROR_INVALID_REQUEST, f"rid must have 1 to {MAX_RID_LEN} chars")
         if rid in self.jobs:
             raise RequestError(ERROR_DUPLICATE_RID, f"request {rid!r} is already in flight")
+        if len(self.jobs) >= MAX_JOBS_IN_FLIGHT:
+            raise RequestError(
+                ERROR_UNAVAILABLE, f"overloaded: {len(self.jobs)} requests in flight; retry later"
+            )
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added); raises RequestError."""
+        return self._encode(text)
 
     def _encode(self, text: str) -> list[int]:
         """Token ids of `text`; text that cannot fit the context is refused untokenized (a
@@ -651,6 +591,7 @@ class Server:
         """Send the one final reply of `job` and forget it."""
         self._forget(job)
         self.counters["errors" if reply.TAG == "error" else "results"] += 1
+        self.metrics.on_final(job, reply)
         self._send(job.identity, reply)
 
     def _forget(self, job: Job) -> None:
@@ -658,7 +599,11 @@ class Server:
         for rid in job.internal:
             self.by_internal.pop(rid, None)
 
-    def _send(self, identity: bytes, reply: Any) -> None:
+    def _send(self, identity: Any, reply: Any) -> None:
+        """To a ZeroMQ client (identity bytes) or an HTTP handler's sink (never blocks)."""
+        if not isinstance(identity, bytes):
+            identity.deliver(reply)
+            return
         assert self.router is not None
         try:
             self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
@@ -722,6 +667,11 @@ class Server:
         )
 
 
+def ready_line(http_url: str, zmq_address: str) -> str:
+    """The one stdout line that says the server can serve (parsed by `Runtime`)."""
+    return f"radixflow ready on {http_url} (HTTP) and {zmq_address} (ZeroMQ)"
+
+
 def serve(config: ServerConfig, log_level: str = "info") -> int:
     """Run a server until SIGINT/SIGTERM; print the ready line on stdout. Returns an exit code."""
     try:
@@ -729,14 +679,14 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     except ServerStartError as e:
         log.error("%s", e)
         return 1
-    signal.signal(signal.SIGTERM, server.request_stop)
+    signal.signal(signal.SIGTERM, server.request_stop)  # while loading; the loop's own after
     signal.signal(signal.SIGINT, server.request_stop)
     try:
-        address = server.start()
-        print(f"radixflow ready on {address}", flush=True)
-        server.serve()
-        log.info("shutting down: %d requests in flight", len(server.jobs))
-    except ServerStartError as e:
+        server.start()
+        asyncio.run(
+            server.run(lambda url, zmq_address: print(ready_line(url, zmq_address), flush=True))
+        )
+    except (ServerStartError, OSError) as e:  # OSError: the HTTP port is taken
         log.error("%s", e)
         return 1
     finally:

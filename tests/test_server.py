@@ -20,7 +20,7 @@ import zmq
 
 from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime import messages as m
-from radixflow.runtime.server import visible_text
+from radixflow.runtime.jobs import visible_text
 
 API_KEY = "test-secret"
 MAX_MESSAGE_BYTES = 1 << 20
