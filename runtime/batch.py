@@ -63,11 +63,17 @@ class StepResult:
 
 
 def build_plan(
-    extends: list[Req], decodes: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...]
+    extends: list[Req],
+    decodes: list[Req],
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+    verifies: list[Req] | None = None,
 ) -> tuple[BatchPlan, list[Req]]:
     """The step's flat ragged batch: extend rows (each request's new tokens, after its
-    cached prefix), then one row per decode. Returns the plan and the requests that sample,
-    in sample-row order. Consumes each extend's pending copy-on-write."""
+    cached prefix), then the verify rows of speculating requests (their last token and
+    drafts, a logit row each), then one row per decode. Returns the plan and the requests
+    that sample once, in sample-row order; the verify rows sample after them, request by
+    request, 1 + len(draft_ids) rows each. Consumes each extend's pending copy-on-write."""
     input_ids, positions, out_slots = [], [], []
     qo, kv, kv_indices = [0], [0], []
     logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
@@ -95,6 +101,19 @@ def build_plan(
             targets.append(-1)
             sample_reqs.append(req)
         row += end - start
+    verify_rows = []
+    for req in verifies or []:
+        start, ids = req.kv_len, [req.output_ids[-1], *req.draft_ids]
+        input_ids.append(ids)
+        positions.append(np.arange(start, start + len(ids), dtype=I64))
+        out_slots.append(req.slots[start : start + len(ids)])
+        kv_indices.append(req.slots[:start])
+        qo.append(qo[-1] + len(ids))
+        kv.append(kv[-1] + start)
+        verify_rows += range(len(logit_rows), len(logit_rows) + len(ids))
+        logit_rows += range(row, row + len(ids))
+        targets += [-1] * len(ids)
+        row += len(ids)
     num_extend = row
     dkv, dkv_indices = [0], []
     for req in decodes:
@@ -124,45 +143,55 @@ def build_plan(
         decode_kv_indices=cat(dkv_indices),
         logit_rows=np.asarray(logit_rows, I64),
         logprob_targets=np.asarray(targets, I64),
-        sample_rows=np.asarray(sample_rows, I64),
+        sample_rows=np.asarray(sample_rows + verify_rows, I64),
         copy_src=cat(copy_src),
         copy_dst=cat(copy_dst),
     )
-    _fill_sampling(plan, sample_reqs, extends, vocab_size, eos_token_ids)
+    # verify row j samples as a decode would after the first j drafts were accepted
+    rows = [(r, 0) for r in sample_reqs]
+    rows += [(r, j) for r in verifies or [] for j in range(1 + len(r.draft_ids))]
+    _fill_sampling(plan, rows, extends, vocab_size, eos_token_ids)
     return plan, sample_reqs
 
 
 def _fill_sampling(
     plan: BatchPlan,
-    sample_reqs: list[Req],
+    rows: list[tuple[Req, int]],
     extends: list[Req],
     vocab_size: int,
     eos_token_ids: tuple[int, ...],
 ) -> None:
-    plan.sampling = [r.sampling for r in sample_reqs]
+    """Per sample row (request, drafts ahead of it): parameters, seed, penalty history,
+    bans and grammar mask of the position len(output_ids) + drafts."""
+    plan.sampling = [r.sampling for r, _ in rows]
     plan.sample_seeds = [
         None
         if r.sampling.seed is None
-        else (r.sampling.seed * 1_000_003 + len(r.output_ids)) % 2**63
-        for r in sample_reqs
+        else (r.sampling.seed * 1_000_003 + len(r.output_ids) + j) % 2**63
+        for r, j in rows
     ]
-    plan.output_ids = [r.output_ids for r in sample_reqs]
-    plan.banned_ids = [_banned(r, eos_token_ids) for r in sample_reqs]
+    plan.output_ids = [r.output_ids + r.draft_ids[:j] if j else r.output_ids for r, j in rows]
+    plan.banned_ids = [_banned(r, j, eos_token_ids) for r, j in rows]
     plan.top_logprobs_num = max(
-        (r.top_logprobs_num for r in extends + sample_reqs if r.return_logprob), default=0
+        (r.top_logprobs_num for r in extends + [r for r, _ in rows] if r.return_logprob),
+        default=0,
     )
-    if any(r.grammar is not None for r in sample_reqs):
+    if any(r.grammar is not None for r, _ in rows):
         words = (vocab_size + 31) // 32
-        masks = np.full((len(sample_reqs), words), -1, dtype=np.int32)
-        for i, req in enumerate(sample_reqs):
-            if req.grammar is not None:
-                masks[i] = 0
+        masks = np.full((len(rows), words), -1, dtype=np.int32)
+        for i, (req, j) in enumerate(rows):
+            if req.grammar is None:
+                continue
+            masks[i] = 0
+            if req.draft_ids:  # speculative.Speculator built the verify rows' masks
+                masks[i] = req.spec.masks[j]
+            else:
                 req.grammar.fill_mask(masks[i])
         plan.vocab_masks = masks
 
 
-def _banned(req: Req, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """Ending tokens are banned until min_new_tokens outputs exist."""
-    if len(req.output_ids) >= req.sampling.min_new_tokens:
+def _banned(req: Req, ahead: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Ending tokens are banned until min_new_tokens outputs exist (`ahead` drafts count)."""
+    if len(req.output_ids) + ahead >= req.sampling.min_new_tokens:
         return ()
     return eos_token_ids + req.sampling.stop_token_ids

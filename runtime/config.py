@@ -14,6 +14,7 @@ from typing import Any
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPECULATIVE = ("", "ngram")
 
 
 def _knob(default: Any, help: str) -> Any:
@@ -53,6 +54,10 @@ class ServerConfig:
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
+    speculative_algorithm: str = _knob(
+        "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
+    )
+    speculative_num_draft_tokens: int = _knob(8, "most draft tokens verified per request a step")
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +78,11 @@ class ServerConfig:
             ),
             (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
             (0 <= self.port < 65536, "port must be in [0, 65535]"),
+            (self.speculative_algorithm in SPECULATIVE, f"speculative_algorithm: {SPECULATIVE}"),
+            (
+                1 <= self.speculative_num_draft_tokens <= 31,
+                "speculative_num_draft_tokens must be in [1, 31]",
+            ),
             (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
         ]
         for ok, message in checks:

@@ -90,6 +90,8 @@ class Req:
     num_preemptions: int = 0
     cached_tokens: int = -1  # set once, at first admission
     grammar: Any = None  # a constraints.Grammar while constrained
+    draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    spec: Any = None  # speculative.DraftState once drafting has looked at this request
 
     # results
     input_logprobs: list[float | None] = field(default_factory=list)

@@ -21,6 +21,7 @@ from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.radix_cache import RadixCache
 from radixflow.runtime.request import Req, ReqState
 from radixflow.runtime.schedule_policy import order_waiting, shares_uncached
+from radixflow.runtime.speculative import Speculator
 from radixflow.runtime.step_log import SchedulerMetrics
 
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -65,6 +66,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerMetrics(), None
+        self.spec = Speculator(config, eos_token_ids)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio
@@ -136,23 +138,30 @@ class Scheduler:
         start = self.clock()
         updated = self._poll_grammars()
         updated += self._make_decode_room()
-        decodes = list(self.running)
+        spare = self.pool.num_free_pages - self._decode_pages_needed()
+        verifies = self.spec.propose(self.running, spare, self.pool.page_size, self.context_len)
+        decodes = [r for r in self.running if not r.draft_ids]
         for req in decodes:  # before admission, so prefills cannot take the decodes' pages
             self._alloc_decode_slot(req)
+        for req in verifies:  # the last token and the drafts, in `spare` pages
+            self._grow(req, 1 + len(req.draft_ids))
         extends = self._admit()
-        if not decodes and not extends:
+        if not decodes and not extends and not verifies:
             if not self.has_work:
                 self.new_token_ratio = self.init_ratio
             return updated
         try:
-            plan, sample_reqs = build_plan(extends, decodes, self.vocab_size, self.eos_token_ids)
+            plan, sample_reqs = build_plan(
+                extends, decodes, self.vocab_size, self.eos_token_ids, verifies
+            )
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
             updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
             self.metrics.stepped(self, plan, extends, start)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
             log.exception("step %d failed; its requests get an error", self.step_count)
-            updated += self._fail_batch(extends + decodes, f"internal error in this step: {e!r}")
+            message = f"internal error in this step: {e!r}"
+            updated += self._fail_batch(extends + decodes + verifies, message)
         if self.config.self_check:
             self.check_invariants()
         return updated
@@ -409,6 +418,7 @@ class Scheduler:
                     )
                 )
             updated.append(req)
+        updated += self.spec.accept(plan, result, len(sample_reqs), self._append_token, self.pool)
         for req in list(self.running):
             if req.finished:
                 self.running.remove(req)
@@ -502,6 +512,7 @@ class Scheduler:
             req.error = reason.get("message", reason["type"])
         self._release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
         self.metrics.finished(req, self.clock())
+        self.spec.observe_finished(req)
         req.state = ReqState.FINISHED
         self.counters["finished_requests"] += 1
 
@@ -559,6 +570,7 @@ class Scheduler:
             "waiting_requests": len(self.waiting) + len(self.grammar_queue),
             "new_token_ratio": self.new_token_ratio,
             **self.metrics.stats(self),
+            **self.spec.stats(),
         }
 
     def check_invariants(self) -> None:
