@@ -1,5 +1,5 @@
 """`radixflow serve` (also `python -m radixflow.runtime`): start a runtime server;
-`radixflow bench`: the benchmark suite (`radixflow.runtime.bench`, its own flags).
+`radixflow bench`: the benchmark suite (`radixflow.bench.cli`, its own flags).
 
     radixflow serve --model smollm2 --port 0
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["serve", *argv]  # `python -m radixflow.runtime --model smollm2`
     if argv[0] == "bench":
-        from radixflow.runtime.bench import main as bench_main
+        from radixflow.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
