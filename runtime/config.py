@@ -54,6 +54,9 @@ class ServerConfig:
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
+    mem_fraction_static: float = _knob(
+        0.0, "KV pool share of the memory free after the weights (0 = use --max-total-tokens)"
+    )
     speculative_algorithm: str = _knob(
         "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
     )
@@ -78,6 +81,7 @@ class ServerConfig:
             ),
             (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
             (0 <= self.port < 65536, "port must be in [0, 65535]"),
+            (0 <= self.mem_fraction_static < 1, "mem_fraction_static must be in [0, 1)"),
             (self.speculative_algorithm in SPECULATIVE, f"speculative_algorithm: {SPECULATIVE}"),
             (
                 1 <= self.speculative_num_draft_tokens <= 31,

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.kv_pool import KVPool
+from radixflow.runtime.kv_sizing import size_kv_pool
 from radixflow.runtime.loader import resolve_model_dir
 from radixflow.runtime.model_runner import ModelRunner, load_model, pick_device, pick_dtype
 from radixflow.runtime.models.llama import LlamaModel
@@ -78,7 +79,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         loaded.hf_config,
     )
     device = next(model.parameters()).device
-    pool = KVPool(config.max_total_tokens, config.page_size)
+    pool = KVPool(size_kv_pool(config, model, device).num_tokens, config.page_size)
     runner = ModelRunner(model, pool.num_slots, config.page_size, seed=config.seed)
     context_len = config.context_length or model.config.max_position
     eos = eos_token_ids(tokenizer, hf_config)
