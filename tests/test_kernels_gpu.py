@@ -1,4 +1,6 @@
-"""Triton attention kernels vs the torch reference on CUDA, at realistic shapes, fp16/bf16.
+"""Triton attention kernels vs the plain torch reference (`radixflow.kernels.reference`, which
+runs on any device) on CUDA, at realistic shapes, fp16/bf16, with and without shared-prefix
+groups.
 
 Run in its own process (`pytest -m gpu tests/test_kernels_gpu.py`): tests/test_kernels.py
 sets TRITON_INTERPRET=1 when it is imported, which would make these run interpreted.
@@ -100,3 +102,52 @@ def test_fp32_is_exact_on_cuda() -> None:
     args = (q, k_buffer, v_buffer, indptr(lens).cuda(), slots, 0.125)
     expected = reference.decode_attention(*args)
     torch.testing.assert_close(decode_attention(*args), expected, atol=1e-5, rtol=0)
+
+
+def tree_batch(num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """A tree-of-thought decode batch as the radix tree lays it out: 2 problems (800-slot
+    runs) x 4 branches (200-slot runs) x 4 leaves (1..300 own keys), plus 8 unrelated
+    requests. -> (k_buffer, v_buffer, kv_indptr, kv_indices) on CUDA."""
+    leaves = torch.randint(1, 301, (32,), generator=gen)
+    own = torch.randint(1, 3000, (8,), generator=gen)
+    k_buffer, v_buffer, pool = make_pools(
+        2 * 800 + 8 * 200 + int(leaves.sum()) + int(own.sum()), num_kv_heads, head_dim, dtype, gen
+    )
+    take = iter(pool.split([800] * 2 + [200] * 8 + leaves.tolist() + own.tolist()))
+    problems, branches = [next(take) for _ in range(2)], [next(take) for _ in range(8)]
+    requests = [torch.cat([problems[i // 16], branches[i // 4], next(take)]) for i in range(32)] + [
+        next(take) for _ in range(8)
+    ]
+    lens = torch.tensor([len(r) for r in requests])
+    return k_buffer, v_buffer, indptr(lens).cuda(), torch.cat(requests)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shared_prefix_decode_matches_reference_on_cuda(
+    dtype: torch.dtype, shape: tuple[int, int, int]
+) -> None:
+    """Nested shared runs read once per group, merged with each request's own keys."""
+    from radixflow.kernels import reference
+    from radixflow.kernels.decode_attention import decode_attention, decode_layout
+
+    num_heads, num_kv_heads, head_dim = shape
+    gen = torch.Generator().manual_seed(3)
+    k_buffer, v_buffer, kv_indptr, kv_indices = tree_batch(num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn((40, num_heads, head_dim), generator=gen).to("cuda", dtype)
+    layout = decode_layout(kv_indptr, kv_indices)
+    assert layout.num_groups == 2 + 8 and layout.max_group_size == 16
+    args = (q, k_buffer, v_buffer, kv_indptr, kv_indices, head_dim**-0.5)
+    out = decode_attention(*args, layout=layout)  # (B, H, D)
+    expected = reference.decode_attention(*args)
+    if dtype == torch.float32:  # IEEE dots: as exact as without groups
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    else:
+        assert_close(out, expected)
+
+
+def test_get_ops_on_cuda_is_triton_with_shared_prefix_layouts() -> None:
+    from radixflow.kernels import get_ops
+
+    ops = get_ops("auto", torch.device("cuda"))
+    assert ops.name == "triton" and ops.prepare_decode is not None
