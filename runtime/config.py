@@ -17,13 +17,25 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE = ("", "ngram")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
+
+
 def _knob(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = _knob("smollm2", "model: 'smollm2', a local Hugging Face dir or a .gguf path")
+    model_path: str = _knob(
+        "smollm2",
+        "'smollm2', a .gguf file, a local Hugging Face directory, or a hub id found in the "
+        "local Hugging Face cache (HF_HOME / HF_HUB_CACHE; never downloaded); also --model",
+    )
+    revision: str = _knob("", "branch, tag or commit of a hub id in the local cache ('' = main)")
+    served_model_name: str = _knob("", "model name reported to clients; '' = --model-path")
+    chat_template: str = _knob("", "chat template file or Jinja string overriding the model's")
+    trust_remote_code: bool = _knob(False, "refused: radixflow never runs a checkpoint's code")
     host: str = _knob("127.0.0.1", "address to bind; anything but loopback needs --api-key")
     port: int = _knob(
         30000,
@@ -45,7 +57,7 @@ class ServerConfig:
     max_new_tokens_limit: int = _knob(8192, "largest max_new_tokens a request may ask for")
     attention_backend: str = _knob("auto", "auto (Triton on CUDA), torch or triton")
     device: str = _knob("auto", "auto, cpu or cuda")
-    dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, float16, bfloat16")
+    dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
@@ -87,6 +99,12 @@ class ServerConfig:
                 1 <= self.speculative_num_draft_tokens <= 31,
                 "speculative_num_draft_tokens must be in [1, 31]",
             ),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (
+                not self.trust_remote_code,
+                "--trust-remote-code is not supported: radixflow never runs model code from a "
+                "checkpoint; it serves the architectures it implements itself",
+            ),
             (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
         ]
         for ok, message in checks:
@@ -98,6 +116,11 @@ class ServerConfig:
 
 
 def config_from_kwargs(**kwargs: Any) -> ServerConfig:
+    for old, new in ALIASES.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise ValueError(f"give {new} or {old}, not both")
+            kwargs[new] = kwargs.pop(old)
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     unknown = sorted(set(kwargs) - names)
     if unknown:
@@ -106,17 +129,19 @@ def config_from_kwargs(**kwargs: Any) -> ServerConfig:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per ServerConfig field (`--max-total-tokens`, `--disable-radix-cache`)."""
+    """Add one flag per ServerConfig field (`--max-total-tokens`, `--disable-radix-cache`),
+    and the ALIASES' old flags (`--model` for `--model-path`)."""
+    old_names = {new: old for old, new in ALIASES.items()}
     for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")]
+        if f.name in old_names:
+            flags.append("--" + old_names[f.name].replace("_", "-"))
         help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_text}
         if f.type in (bool, "bool"):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+            parser.add_argument(*flags, type={"int": int, "float": float, "str": str}[f.type], **kw)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

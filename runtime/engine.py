@@ -60,8 +60,8 @@ def load(config: ServerConfig) -> LoadedModel:
     """Resolve (converting once) and load the model and tokenizer."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_dir = resolve_model_dir(config.model)
-    tokenizer = load_tokenizer(model_dir)
+    model_dir = resolve_model_dir(config.model_path, config.revision)
+    tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
     device = pick_device(config.device)
     model = load_model(model_dir, config, device, pick_dtype(config.dtype, device))
@@ -81,6 +81,11 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
     device = next(model.parameters()).device
     pool = KVPool(size_kv_pool(config, model, device).num_tokens, config.page_size)
     runner = ModelRunner(model, pool.num_slots, config.page_size, seed=config.seed)
+    if config.context_length > model.config.max_position:
+        raise ValueError(
+            f"context_length {config.context_length} exceeds the model's "
+            f"{model.config.max_position} (max_position_embeddings); it can only cap it"
+        )
     context_len = config.context_length or model.config.max_position
     eos = eos_token_ids(tokenizer, hf_config)
     scheduler = Scheduler(
@@ -94,7 +99,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         grammars=_grammar_backend(config, tokenizer, model.config.vocab_size, eos),
     )
     info = {
-        "model": config.model,
+        "model": config.served_model_name or config.model_path,
         "model_path": str(model_dir),
         "context_length": context_len,
         "vocab_size": model.config.vocab_size,
@@ -197,8 +202,10 @@ class Engine:
     inside); `submit` + `step` let a caller add requests while others decode. Not
     thread-safe: use one Engine per thread (or one event loop), or the server."""
 
-    def __init__(self, model: str = "smollm2", **config: Any) -> None:
-        self._setup(config_from_kwargs(model=model, **config), None)
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        """`model` is `model_path` (either name; default smollm2)."""
+        named = {"model": model} if model is not None else {}
+        self._setup(config_from_kwargs(**named, **config), None)
 
     def _setup(self, config: ServerConfig, loaded: LoadedModel | None) -> None:
         self.config = config
@@ -214,7 +221,8 @@ class Engine:
     def with_config(self, **changes: Any) -> Engine:
         """A new engine (own KV pool and scheduler) sharing this one's loaded weights.
         Changes to model, device, dtype or attention_backend need a new Engine."""
-        fixed = {"model", "device", "dtype", "attention_backend"} & set(changes)
+        fixed = {"model", "model_path", "revision", "chat_template", "device", "dtype"}
+        fixed = (fixed | {"attention_backend"}) & set(changes)
         if fixed:
             raise ValueError(f"with_config cannot change {sorted(fixed)}")
         engine = Engine.__new__(Engine)

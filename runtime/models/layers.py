@@ -1,0 +1,383 @@
+"""The decoder every supported family is built from, over a flat ragged batch.
+
+A step's rows are ordered extend tokens first (prefills and chunks), then one row per decoding
+request. Extend rows attend through `ops.extend_attention`, decode rows through
+`ops.decode_attention`; both read the pooled prefix via `kv_indptr` / `kv_indices`.
+
+The families differ only in what `ModelConfig` switches on (see `models/__init__.py`):
+q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), sliding windows per layer
+(Mistral, Qwen2/3, Phi-3, Gemma), partial rotary and LongRoPE (Phi-3), the (1 + w) RMSNorm,
+scaled embeddings, sandwich norms, GELU, query pre-attention scaling and logit soft-capping
+(Gemma 2/3). Attention itself is always the shared ops of `radixflow.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixflow.kernels import AttentionOps
+from radixflow.runtime.models import UnsupportedModelError
+from radixflow.runtime.models.weights import load_weights
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the decoder needs to know, read once from a Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + w)
+    sandwich_norm: bool = False  # Gemma: norms after attention and around the MLP
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
+    attn_logit_cap: float = 0.0  # 0: no soft-capping of attention scores
+    final_logit_cap: float = 0.0
+    partial_rotary_factor: float = 1.0
+    layer_windows: tuple[int, ...] = ()  # per layer; 0 (or empty) = global attention
+    # (rope_theta, rope_scaling) of sliding-window layers when they differ (Gemma 3)
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @classmethod
+    def from_hf(cls, hf: Any, architecture: str, **changes: Any) -> ModelConfig:
+        """The fields every family reads the same way from a transformers config object;
+        `changes` are the family's own. Raises UnsupportedModelError on options we lack."""
+        theta, scaling, partial = split_rope(hf.rope_parameters)
+        heads = hf.num_attention_heads
+        activation = getattr(hf, "hidden_activation", None) or hf.hidden_act
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {activation!r} is not supported")
+        fields = dict(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            max_position=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            activation=activation,
+            layer_windows=layer_windows(hf),
+            architecture=architecture,
+        )
+        return cls(**{**fields, **changes})
+
+
+def split_rope(params: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None, float]:
+    """transformers' `rope_parameters` -> (theta, scaling or None for plain rope, partial
+    rotary factor). Raises UnsupportedModelError for rope types we do not implement."""
+    params = dict(params or {})
+    theta = float(params.pop("rope_theta", 10000.0))
+    partial = float(params.pop("partial_rotary_factor", 1.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"rope type {kind!r} is not supported; supported: {ROPE_TYPES}")
+    return theta, (params if kind != "default" else None), partial
+
+
+def layer_windows(hf: Any) -> tuple[int, ...]:
+    """Per layer sliding window (0 = global): `layer_types` where the config has them (Qwen2/3
+    with use_sliding_window, Gemma), else the one window on every layer (Mistral, Phi-3)."""
+    window = int(getattr(hf, "sliding_window", None) or 0)
+    types = getattr(hf, "layer_types", None)
+    if not window:
+        return ()
+    if types is None:
+        return (window,) * hf.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors of one step (built by the model runner from the scheduler's plan)."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_slots: torch.Tensor  # (T,) int64, where each row's K/V is stored
+    num_extend_tokens: int  # rows [0, num_extend_tokens) are extend rows, the rest decode
+    extend_qo_indptr: torch.Tensor  # (Be+1,)
+    extend_kv_indptr: torch.Tensor  # (Be+1,) prefix lengths
+    extend_kv_indices: torch.Tensor  # prefix slots
+    decode_kv_indptr: torch.Tensor  # (Bd+1,) full lengths including the new token
+    decode_kv_indices: torch.Tensor
+    logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
+    # backend index layouts, derived once per forward: {("extend" | "decode", window): layout}
+    layouts: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+
+def rope_inv_freq(
+    theta: float, scaling: dict[str, Any] | None, dim: int, max_position: int
+) -> tuple[torch.Tensor, torch.Tensor | None, int, float]:
+    """-> (inv_freq (dim/2,), long_inv_freq or None, original_max_position, cos/sin scale),
+    as transformers computes them (fp32), for the rope types in ROPE_TYPES."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponent)
+    scaling = scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "longrope":
+        original = int(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or max_position / original
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short, long = (
+            torch.tensor(scaling[k], dtype=torch.float32) for k in ("short_factor", "long_factor")
+        )
+        return 1.0 / (short * theta**exponent), 1.0 / (long * theta**exponent), original, attention
+    elif kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}; supported: {ROPE_TYPES}")
+    return inv_freq, None, 0, 1.0
+
+
+class Rope(nn.Module):
+    """Rotary tables of one layer kind. LongRoPE picks the long factors for positions at or
+    past `original_max_position`, per position: transformers picks by sequence length per
+    call, which is the same token for token when the prompt fits the original window."""
+
+    def __init__(self, config: ModelConfig, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        dim = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq, long_inv_freq, original, scale = rope_inv_freq(
+            theta, scaling, dim, config.max_position
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        self.original_max_position, self.scale = original, scale
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions (T,) -> cos, sin (T, 1, rotary_dim) in the rotate-half layout."""
+        inv_freq = self.inv_freq[None, :]  # (1, rotary_dim/2)
+        if self.long_inv_freq is not None:
+            is_long = (positions >= self.original_max_position)[:, None]
+            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
+        freqs = positions[:, None].float() * inv_freq  # (T, rotary_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, rotary_dim)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """RMSNorm over the last dim; `offset` 1 is Gemma's (1 + w), scaled in fp32 as there."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D); cos/sin (T, 1, R) rotate the first R dims (partial rotary: R < D)."""
+    rotary = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos + rotated * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.config, self.window = c, c.window(layer)
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attention_norm = nn.Parameter(torch.ones(c.hidden_size))
+        if c.sandwich_norm:
+            self.pre_feedforward_norm = nn.Parameter(torch.ones(c.hidden_size))
+            self.post_feedforward_norm = nn.Parameter(torch.ones(c.hidden_size))
+        if c.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim))
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, c.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, c.o_bias)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, c.mlp_bias)
+        self.act = ACTIVATIONS[c.activation]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(hidden, self.input_norm, c.rms_norm_eps, c.norm_offset)
+        attn = self.o_proj(self._attention(x, rope, batch, k_cache, v_cache, ops))
+        if c.sandwich_norm:
+            attn = rms_norm(attn, self.post_attention_norm, c.rms_norm_eps, c.norm_offset)
+            hidden = hidden + attn
+            x = rms_norm(hidden, self.pre_feedforward_norm, c.rms_norm_eps, c.norm_offset)
+            mlp = rms_norm(self._mlp(x), self.post_feedforward_norm, c.rms_norm_eps, c.norm_offset)
+            return hidden + mlp
+        hidden = hidden + attn
+        x = rms_norm(hidden, self.post_attention_norm, c.rms_norm_eps, c.norm_offset)
+        return hidden + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
+        """-> (T, q_size). Stores this step's K/V, then attends through the shared ops."""
+        c, num_tokens = self.config, x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps, c.norm_offset)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps, c.norm_offset)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
+        scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
+        # Only switched-on features are passed, so plain Llama calls the ops exactly as before.
+        extra: dict[str, Any] = {}
+        if self.window:
+            extra["sliding_window"] = self.window
+        if c.attn_logit_cap:
+            extra["logit_cap"] = c.attn_logit_cap
+        split, parts = batch.num_extend_tokens, []
+        if split > 0:
+            layout = batch.layouts.get(("extend", self.window))
+            kw = {**extra, "layout": layout} if layout is not None else extra
+            parts.append(
+                ops.extend_attention(
+                    q[:split], k[:split], v[:split], k_cache, v_cache,
+                    batch.extend_qo_indptr, batch.extend_kv_indptr, batch.extend_kv_indices,
+                    scale, **kw,
+                )
+            )  # fmt: skip
+        if split < num_tokens:
+            layout = batch.layouts.get(("decode", self.window))
+            kw = {**extra, "layout": layout} if layout is not None else extra
+            parts.append(
+                ops.decode_attention(
+                    q[split:], k_cache, v_cache, batch.decode_kv_indptr, batch.decode_kv_indices,
+                    scale, **kw,
+                )
+            )  # fmt: skip
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, H, D)
+        return attn.reshape(num_tokens, self.q_size)
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of any supported family."""
+
+    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = Rope(config, config.rope_theta, config.rope_scaling)
+        self.sliding_rope = Rope(config, *config.sliding_rope) if config.sliding_rope else None
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, k_caches: torch.Tensor, v_caches: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the batch, store its K/V, return fp32 logits (R, vocab) of `batch.logit_rows`.
+
+        k_caches/v_caches: (num_layers, num_slots, num_kv_heads, head_dim).
+        """
+        self._prepare_layouts(batch)
+        hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if self.config.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        rope = self.rope(batch.positions, hidden.dtype)
+        local_rope = self.sliding_rope(batch.positions, hidden.dtype) if self.sliding_rope else rope
+        for i, layer in enumerate(self.layers):
+            layer_rope = local_rope if layer.window else rope
+            hidden = layer(hidden, layer_rope, batch, k_caches[i], v_caches[i], self.ops)
+        hidden = hidden[batch.logit_rows]
+        c = self.config
+        hidden = rms_norm(hidden, self.norm, c.rms_norm_eps, c.norm_offset)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()  # (R, vocab)
+        if c.final_logit_cap:
+            logits = torch.tanh(logits / c.final_logit_cap) * c.final_logit_cap
+        return logits
+
+    def _prepare_layouts(self, batch: ForwardBatch) -> None:
+        """One backend layout per (mode, window) in use, shared by every layer of that window."""
+        ops = self.ops
+        for window in sorted({layer.window for layer in self.layers}):
+            extra = {"sliding_window": window} if window else {}
+            if ops.prepare_extend is not None and batch.num_extend_tokens:
+                batch.layouts["extend", window] = ops.prepare_extend(
+                    batch.extend_qo_indptr, batch.extend_kv_indptr, batch.extend_kv_indices, **extra
+                )
+            if ops.prepare_decode is not None and batch.num_extend_tokens < len(batch.input_ids):
+                batch.layouts["decode", window] = ops.prepare_decode(
+                    batch.decode_kv_indptr, batch.decode_kv_indices, **extra
+                )
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face weights (fusing q/k/v and gate/up when stored apart, as most
+        families do; Phi-3 stores them fused). Raises ValueError naming missing, unexpected
+        or misshapen weights: nothing is silently ignored."""
+        load_weights(self, state)

@@ -1,0 +1,192 @@
+"""Every supported family against its transformers implementation, in fp32: ragged logits
+through both CPU attention ops, logprobs through the engine (page sizes 1 and 16, chunked
+prefill, prompts continuing from a cached prefix longer than the sliding window), and greedy
+generation token for token, alone and batched, cache on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from family_models import FAMILIES, WINDOW, save_family
+
+from radixflow.kernels import CPU_OPS, REFERENCE_OPS
+from radixflow.runtime import Engine
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.model_runner import load_model
+from radixflow.runtime.models.layers import ForwardBatch
+
+TOLERANCE = 1e-4
+PREFIX_LEN = 24  # cached prefix: three windows long, more than a 16-slot page
+# Sequences stay within Phi-3's original 72 positions: past them transformers switches the
+# LongRoPE factors of a whole sequence (test_phi3_longrope_past_original_window).
+MAX_COMPARED_LEN = 72
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: save_family(family, root) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    """family -> Engine (page 1, 16-token prefill chunks, self-checks on)."""
+    made = {}
+    for family, (path, _) in checkpoints.items():
+        made[family] = Engine(
+            model=str(path), device="cpu", dtype="float32", max_total_tokens=1024,
+            chunked_prefill_size=16, self_check=True,
+        )  # fmt: skip
+    yield made
+    for engine in made.values():
+        engine.shutdown()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, size=n).tolist()
+
+
+def _t(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _hf_logits(hf_model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    assert len(ids) <= MAX_COMPARED_LEN
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0]  # (L, vocab)
+
+
+@pytest.mark.parametrize("ops", [CPU_OPS, REFERENCE_OPS], ids=lambda ops: ops.name)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_logits_match_transformers(checkpoints, family, ops):
+    """One ragged step: a fresh prompt, a prompt continuing after PREFIX_LEN cached tokens
+    and a decode over 40 cached tokens, on scattered slots, after a warm-up step that
+    cached the prefixes."""
+    path, hf_model = checkpoints[family]
+    model = load_model(path, ServerConfig(), torch.device("cpu"), torch.float32)
+    model.ops = ops
+    cfg = model.config
+    k = torch.zeros(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim)
+    v = torch.zeros_like(k)
+    free = (1 + torch.randperm(511, generator=torch.Generator().manual_seed(0))).tolist()
+    s0, s1, s2 = _ids(1, 30), _ids(2, PREFIX_LEN + 14), _ids(3, 41)
+    warm = [s1[:PREFIX_LEN], s2[:-1]]
+    warm_slots = [[free.pop() for _ in w] for w in warm]
+    n_warm = sum(map(len, warm))
+    model(
+        ForwardBatch(
+            input_ids=_t(warm[0] + warm[1]),
+            positions=_t(list(range(len(warm[0]))) + list(range(len(warm[1])))),
+            out_slots=_t(warm_slots[0] + warm_slots[1]),
+            num_extend_tokens=n_warm,
+            extend_qo_indptr=_t([0, len(warm[0]), n_warm]),
+            extend_kv_indptr=_t([0, 0, 0]),
+            extend_kv_indices=_t([]),
+            decode_kv_indptr=_t([0]),
+            decode_kv_indices=_t([]),
+            logit_rows=_t([0]),
+        ),
+        k,
+        v,
+    )
+    new0 = [free.pop() for _ in s0]
+    new1 = [free.pop() for _ in s1[PREFIX_LEN:]]
+    dec_slot = free.pop()
+    n_ext = len(s0) + len(new1)
+    logits = model(
+        ForwardBatch(
+            input_ids=_t(s0 + s1[PREFIX_LEN:] + [s2[-1]]),
+            positions=_t(list(range(len(s0))) + list(range(PREFIX_LEN, len(s1))) + [40]),
+            out_slots=_t(new0 + new1 + [dec_slot]),
+            num_extend_tokens=n_ext,
+            extend_qo_indptr=_t([0, len(s0), n_ext]),
+            extend_kv_indptr=_t([0, 0, PREFIX_LEN]),
+            extend_kv_indices=_t(warm_slots[0]),
+            decode_kv_indptr=_t([0, len(s2)]),
+            decode_kv_indices=_t(warm_slots[1] + [dec_slot]),
+            logit_rows=_t(list(range(n_ext + 1))),
+        ),
+        k,
+        v,
+    )
+    expected = [_hf_logits(hf_model, s) for s in (s0, s1, s2)]
+    want = torch.cat([expected[0], expected[1][PREFIX_LEN:], expected[2][-1:]])
+    err = (logits - want).abs().max().item()
+    assert err < TOLERANCE, f"{family}: max abs logit error {err}"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_logprobs_match_transformers(checkpoints, engines, family, page_size):
+    """Input logprobs of a batch mixing a fresh prompt and one continuing from a cached
+    prefix longer than the window, prefilled in 16-token chunks."""
+    _, hf_model = checkpoints[family]
+    engine = engines[family].with_config(page_size=page_size, self_check=True)
+    prefix = _ids(10, PREFIX_LEN)
+    engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1})
+    prompts = [prefix + _ids(11, 20), _ids(12, 40)]
+    start = PREFIX_LEN + 1  # logprobs from here: positions before it may come from the cache
+    outs = engine.generate(
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=start,
+    )
+    cached = outs[0]["meta_info"]["cached_tokens"]
+    assert cached > WINDOW and cached >= PREFIX_LEN // page_size * page_size - page_size
+    assert outs[1]["meta_info"]["cached_tokens"] == 0
+    for ids, out in zip(prompts, outs):
+        ours = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
+        ref = torch.log_softmax(_hf_logits(hf_model, ids), -1)  # (L, vocab)
+        want = ref[start - 1 : len(ids) - 1].gather(1, _t(ids[start:])[:, None])[:, 0]
+        err = (torch.tensor(ours[1:] if ours[0] is None else ours) - want).abs().max().item()
+        assert err < TOLERANCE, f"{family} page {page_size}: max abs logprob error {err}"
+    engine.check_idle()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_generate(checkpoints, engines, family):
+    """32 greedy tokens equal transformers' `generate`, batched and alone, with the radix
+    cache on (the prompts share a prefix longer than the window) and off."""
+    _, hf_model = checkpoints[family]
+    shared = _ids(20, 18)
+    prompts = [shared + _ids(21, 12), shared + _ids(22, 19), _ids(23, 25)]
+    hf_model.generation_config.eos_token_id = None
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    cached = engines[family]
+    uncached = cached.with_config(disable_radix_cache=True, page_size=16)
+    for engine, alone in ((cached, prompts), (uncached, prompts[:1])):
+        batched = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in batched] == expected, family
+        for ids, want in zip(alone, expected):
+            assert engine.generate(input_ids=ids, sampling_params=params)["output_ids"] == want
+        engine.check_idle()
+    uncached.shutdown()
+
+
+def test_phi3_longrope_past_original_window(checkpoints, engines):
+    """Past `original_max_position_embeddings` each position takes the long factors, so a
+    position's K/V never depends on how long its sequence grows (the radix cache relies on
+    it): token for token what transformers computes decoding with its KV cache kept.
+    (transformers' `generate` instead drops its cache at that point and re-encodes the
+    whole sequence with the long factors; we do not follow it there.)"""
+    _, hf_model = checkpoints["phi3"]
+    ids = _ids(30, 64)
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), use_cache=True)
+        want = [int(out.logits[0, -1].argmax())]
+        for _ in range(15):  # to position 79, past the original 72
+            out = hf_model(torch.tensor([want[-1:]]), past_key_values=out.past_key_values)
+            want.append(int(out.logits[0, -1].argmax()))
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    got = engines["phi3"].generate(input_ids=ids, sampling_params=params)["output_ids"]
+    assert got == want
