@@ -19,9 +19,10 @@ import logging
 import sys
 
 from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
+from radixflow.runtime.lab_cli import LAB_COMMANDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-COMMANDS = ("serve", "bench", "scheduler")
+COMMANDS = ("serve", "bench", "scheduler", *LAB_COMMANDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(serve)
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="stderr log level")
     commands.add_parser("bench", help="run the benchmark suite (radixflow bench --help)")
+    for name in LAB_COMMANDS:  # own flags: runtime/lab_cli.py
+        commands.add_parser(name, help=f"the scheduler lab (radixflow {name} --help)")
     internal = commands.add_parser("scheduler", help="(internal) the scheduler process")
     internal.add_argument("--ipc-dir", required=True)
     internal.add_argument("--parent-pid", type=int, required=True)
@@ -48,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["serve", *argv]  # `python -m radixflow.runtime --model smollm2`
+    if argv[0] in LAB_COMMANDS:
+        from radixflow.runtime.lab_cli import main as lab_main
+
+        return lab_main(argv)
     if argv[0] == "bench":
         from radixflow.bench.cli import main as bench_main
 

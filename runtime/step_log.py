@@ -34,6 +34,14 @@ STOP_REASONS = (
     "nothing_waiting",
     "prefix_dedup",  # the rest share an uncached prefix with one admitted this step
 )
+CONFIG_FIELDS = (  # in the stats, so `radixflow diagnose --url` knows what to tune
+    "max_running_requests",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "page_size",
+    "disable_radix_cache",
+    "mem_fraction_static",
+)
 STEP_WINDOW = 2048
 REQUEST_WINDOW = 512
 PROBE_PEERS = 16  # a new prompt is compared with this many recent ones
@@ -187,6 +195,7 @@ class SchedulerMetrics:
         contexts = [r[5] for r in self.requests]
         probe = self.probe
         out: dict[str, Any] = {
+            **{k: getattr(scheduler.config, k) for k in CONFIG_FIELDS},
             "evicted_tokens": self.evicted_tokens,
             "recomputed_tokens": self.recomputed_tokens,
             **{f"admission_stop_{r}": self.stops[r] for r in STOP_REASONS},

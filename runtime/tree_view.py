@@ -11,6 +11,7 @@ leaves are what `evict` takes, least recently used first: both renderings mark t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -167,3 +168,32 @@ def render_png(dump: dict[str, Any], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---- `radixflow tree` -----------------------------------------------------------------------
+
+
+def tree_parser(commands: Any) -> None:
+    p = commands.add_parser("tree", help="print (and draw) a live server's radix tree")
+    p.add_argument("--url", required=True, help="tcp://HOST:PORT or http://HOST:PORT")
+    p.add_argument("--api-key", default="", help="the server's API key")
+    p.add_argument("--png", metavar="PATH", help="also draw the tree to PATH (matplotlib)")
+    p.add_argument("--json", metavar="PATH", help="also write the dump as JSON")
+
+
+def tree_main(args: Any) -> int:
+    """Print the tree from the server's stats (present once the scheduler is idle)."""
+    from radixflow.runtime.diagnose import read_stats  # noqa: PLC0415
+
+    dump = read_stats(args.url, args.api_key).get("radix_tree")
+    if dump is None:
+        print("radixflow tree: the server is busy (the tree comes with its idle stats); retry")
+        return 1
+    print(render_text(dump))
+    if args.png:
+        render_png(dump, args.png)
+        print(f"wrote {args.png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dump, f, indent=1)
+    return 0
