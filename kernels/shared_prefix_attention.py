@@ -14,6 +14,7 @@ fp32; partial results in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,29 +59,37 @@ def _indptr(lens: torch.Tensor) -> torch.Tensor:
 
 
 def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLayout:
-    """Find the shared runs of a decode batch (`find_shared_prefixes`) and pack them. Reads
-    the metadata on the host (device syncs), once per forward rather than once per layer."""
+    """Find the shared runs of a decode batch (`find_shared_prefixes`) and pack them, once
+    per forward rather than once per layer. The finder reads lengths and slots one by one,
+    so it runs on a host copy of the metadata (one copy each way, not one sync per read)."""
     device, num_reqs = kv_indptr.device, kv_indptr.numel() - 1
-    batch = torch.arange(num_reqs + 1, device=device)  # decode: query row b is request b
+    kv_indptr, kv_indices = kv_indptr.cpu().to(torch.int64), kv_indices.cpu().to(torch.int64)
+    batch = torch.arange(num_reqs + 1)  # decode: query row b is request b
     shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
     if shared:
         kv_indptr, kv_indices = drop_leading(kv_indptr, kv_indices, skip)
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    empty = torch.zeros(0, dtype=torch.int64)
     entry_rows = torch.cat([g.q_rows for g in shared]) if shared else empty  # (E,)
-    sizes = torch.tensor([len(g.q_rows) for g in shared], dtype=torch.int64, device=device)
-    lens = torch.tensor([len(g.slots) for g in shared], dtype=torch.int64, device=device)
+    sizes = torch.tensor([len(g.q_rows) for g in shared], dtype=torch.int64)
+    lens = torch.tensor([len(g.slots) for g in shared], dtype=torch.int64)
     per_row = torch.bincount(entry_rows, minlength=num_reqs)  # (B,) runs each request has
-    return DecodeLayout(
-        kv_indptr=kv_indptr.to(torch.int64),
-        kv_indices=kv_indices.to(torch.int64),
+    packed = DecodeLayout(
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
         group_indptr=_indptr(sizes),
         entry_rows=entry_rows.to(torch.int64),
         prefix_indptr=_indptr(lens),
-        prefix_slots=torch.cat([g.slots for g in shared]).to(torch.int64) if shared else empty,
+        prefix_slots=torch.cat([g.slots for g in shared]) if shared else empty,
         row_entry_indptr=_indptr(per_row),
         row_entries=torch.argsort(entry_rows, stable=True),  # (E,) entries sorted by row
         max_group_size=max((len(g.q_rows) for g in shared), default=0),
     )
+    on_device = {
+        name: getattr(packed, name).to(device, non_blocking=True)
+        for name in packed.__dataclass_fields__
+        if name != "max_group_size"
+    }
+    return dataclasses.replace(packed, **on_device)
 
 
 @triton.jit
