@@ -1,12 +1,17 @@
-"""Tiny requests through the server vs the offline Engine, side by side, in one run.
+"""Tiny requests through the server's three doors and the offline Engine, side by side, in one run.
 
     python programs/bench_server.py [--requests 1000] [--threads 16] [--max-new-tokens 8]
+                                    [--doors zmq,http,chat] [--no-engine]
 
-Server: `--threads` client threads share one RuntimeEndpoint and send `--requests` greedy
-requests (distinct prompts); latency is per request as the client sees it. Engine: the same
-requests in one `generate` list call; its latency is each request's e2e_latency (arrival in
-the scheduler to finish). The server runs first and is shut down before the Engine loads, so
-the two never share the CPU.
+One server; per door, `--threads` client threads send `--requests` greedy requests (distinct
+prompts) and latency is per request as the client sees it: `zmq` through one shared
+RuntimeEndpoint (radixflow's ZeroMQ protocol), `http` as POST /generate and `chat` as POST
+/v1/chat/completions (the prompt as one user message, so the chat template adds its system
+prompt: longer prompts than the other doors) through one shared httpx client. The radix cache
+is flushed before each door, so none finds another's prompts cached. Engine: the same requests
+in one `generate` list call; its latency is each request's e2e_latency (arrival in the
+scheduler to finish). The server is shut down before the Engine loads, so the two never share
+the CPU.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import httpx
 
 from radixflow.backend import Runtime
 
@@ -46,26 +53,74 @@ def summarize(name: str, wall: float, latencies: list[float], tokens: int) -> di
     }
 
 
-def bench_server(prompts: list[str], params: dict, threads: int, config: dict) -> tuple:
-    with Runtime(log_level="warning", **config) as runtime:
-        endpoint = runtime.endpoint
-        endpoint.generate("warm up", params)
+def door_call(door: str, runtime: Runtime, http: httpx.Client, params: dict) -> Any:
+    """A function prompt -> (output ids or text, completion tokens) for one door."""
+    if door == "zmq":
 
-        def one(prompt: str) -> tuple[float, dict]:
+        def zmq(prompt: str) -> tuple[Any, int]:
+            out = runtime.endpoint.generate(prompt, params)
+            return out["output_ids"], out["meta_info"]["completion_tokens"]
+
+        return zmq
+    if door == "http":
+
+        def native(prompt: str) -> tuple[Any, int]:
+            response = http.post("/generate", json={"text": prompt, "sampling_params": params})
+            response.raise_for_status()
+            out = response.json()
+            return out["output_ids"], out["meta_info"]["completion_tokens"]
+
+        return native
+
+    def chat(prompt: str) -> tuple[Any, int]:
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": params["max_new_tokens"],
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = http.post("/v1/chat/completions", json=body)
+        response.raise_for_status()
+        out = response.json()
+        return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+
+    return chat
+
+
+def bench_server(
+    prompts: list[str], params: dict, threads: int, config: dict, doors: list[str]
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    rows, zmq_ids = [], []
+    limits = httpx.Limits(max_connections=threads, max_keepalive_connections=threads)
+    with (
+        Runtime(log_level="warning", **config) as runtime,
+        httpx.Client(base_url=runtime.url, timeout=600, limits=limits) as http,
+    ):
+        for door in doors:
+            call = door_call(door, runtime, http, params)
+            call("warm up")
+            runtime.endpoint.flush_cache()
+
+            def one(prompt: str, call: Any = call) -> tuple[float, Any, int]:
+                start = time.perf_counter()
+                out, tokens = call(prompt)
+                return time.perf_counter() - start, out, tokens
+
+            steps = runtime.endpoint.stats()["forward_steps"]
             start = time.perf_counter()
-            out = endpoint.generate(prompt, params)
-            return time.perf_counter() - start, out
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(one, prompts))
-        wall = time.perf_counter() - start
-        steps = endpoint.stats()["forward_steps"]
-    latencies = [lat for lat, _ in results]
-    tokens = sum(out["meta_info"]["completion_tokens"] for _, out in results)
-    row = summarize(f"server ({threads} threads)", wall, latencies, tokens)
-    row["forward_steps"] = steps
-    return row, [out["output_ids"] for _, out in results]
+            with ThreadPoolExecutor(threads) as pool:
+                results = list(pool.map(one, prompts))
+            wall = time.perf_counter() - start
+            tokens = sum(t for _, _, t in results)
+            row = summarize(
+                f"server {door} ({threads} clients)", wall, [r[0] for r in results], tokens
+            )
+            row["forward_steps"] = runtime.endpoint.stats()["forward_steps"] - steps
+            rows.append(row)
+            if door == "zmq":
+                zmq_ids = [out for _, out, _ in results]
+    return rows, zmq_ids
 
 
 def bench_engine(prompts: list[str], params: dict, config: dict) -> tuple:
@@ -93,16 +148,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-threads", type=int, default=1, help="torch threads (0 = torch's default)"
     )
+    parser.add_argument("--doors", default="zmq,http,chat", help="comma-separated: zmq,http,chat")
+    parser.add_argument("--no-engine", action="store_true", help="skip the offline Engine row")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     prompts = make_prompts(args.requests)
     params = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
     config = {"max_total_tokens": args.max_total_tokens, "num_threads": args.num_threads}
     load_before = os.getloadavg()[0]
-    server_row, server_ids = bench_server(prompts, params, args.threads, config)
-    engine_row, engine_ids = bench_engine(prompts, params, {"model": "smollm2", **config})
-    rows = [server_row, engine_row]
-    same = sum(a == b for a, b in zip(server_ids, engine_ids))
+    doors = args.doors.split(",")
+    rows, server_ids = bench_server(prompts, params, args.threads, config, doors)
+    same = None
+    if not args.no_engine:
+        engine_row, engine_ids = bench_engine(prompts, params, {"model": "smollm2", **config})
+        rows.append(engine_row)
+        if server_ids:
+            same = sum(a == b for a, b in zip(server_ids, engine_ids))
     if args.json:
         print(json.dumps({"rows": rows, "identical_outputs": same, **config}, indent=2))
         return 0
@@ -111,14 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         f"num_threads={args.num_threads}, load average {load_before:.1f} -> "
         f"{os.getloadavg()[0]:.1f}"
     )
-    print(f"{'':26} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'wall s':>8} {'steps':>6}")
+    print(f"{'':30} {'req/s':>8} {'tok/s':>8} {'p50 s':>8} {'p99 s':>8} {'wall s':>8} {'steps':>6}")
     for r in rows:
         print(
-            f"{r['name']:26} {r['requests_per_s']:8.1f} {r['output_tokens_per_s']:8.1f} "
+            f"{r['name']:30} {r['requests_per_s']:8.1f} {r['output_tokens_per_s']:8.1f} "
             f"{r['p50_latency_s']:8.3f} {r['p99_latency_s']:8.3f} {r['wall_s']:8.1f} "
             f"{r['forward_steps']:6d}"
         )
-    print(f"identical outputs: {same}/{args.requests}")
+    if same is not None:
+        print(f"identical outputs (zmq vs engine): {same}/{args.requests}")
     return 0
 
 

@@ -101,6 +101,12 @@ NOOP = {
 ANY = ("user", "metadata", "return_cached_tokens_details", "store")
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
+# json_object: an object of scalar values. Any nesting ({"type": "object"}) makes outlines-core
+# build an index some 20x larger, which took 50 s on a loaded 2-core machine.
+JSON_OBJECT = {
+    "type": "object",
+    "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+}
 
 
 class OpenAiRoutes:
@@ -310,6 +316,7 @@ class OpenAiRoutes:
     async def respond(
         self, request: web.Request, body: dict[str, Any], msgs: list[Generate], chat: bool
     ) -> web.StreamResponse:
+        include_usage = self.stream_usage(body)  # checked even when not streaming
         sinks = self.door.submit(msgs)
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
@@ -317,7 +324,7 @@ class OpenAiRoutes:
             "model": self.model_name(),
         }
         if msgs[0].stream:
-            return await self.stream(request, body, sinks, msgs, head, chat)
+            return await self.stream(request, include_usage, sinks, msgs, head, chat)
         finals = await self.door.finals(sinks)
         choices = []
         for i, data in enumerate(finals):
@@ -337,7 +344,7 @@ class OpenAiRoutes:
     async def stream(
         self,
         request: web.Request,
-        body: dict[str, Any],
+        include_usage: bool,
         sinks: list[Any],
         msgs: list[Generate],
         head: dict[str, Any],
@@ -345,7 +352,6 @@ class OpenAiRoutes:
     ) -> web.StreamResponse:
         """OpenAI's chunks: per choice a role chunk (chat), content deltas with their tokens'
         logprobs, a last chunk with finish_reason; a usage chunk when asked; `[DONE]`."""
-        include_usage = self.stream_usage(body)
         obj = "chat.completion.chunk" if chat else "text_completion"
         response = await self.door.sse(request)
         shown = [""] * len(sinks)
@@ -462,8 +468,8 @@ class OpenAiRoutes:
 
 
 def response_format(value: Any) -> dict[str, Any]:
-    """OpenAI's response_format as a constraint: json_object any JSON object, json_schema the
-    given schema (both through the constrained decoder)."""
+    """OpenAI's response_format as a constraint: json_object a JSON object (of scalar values,
+    see JSON_OBJECT), json_schema the given schema (both through the constrained decoder)."""
     if value is None:
         return {}
     if not isinstance(value, dict) or value.get("type") not in (
@@ -477,7 +483,7 @@ def response_format(value: Any) -> dict[str, Any]:
     if value["type"] == "text":
         return {}
     if value["type"] == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
+        return {"json_schema": json.dumps(JSON_OBJECT)}
     spec = value.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
