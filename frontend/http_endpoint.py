@@ -3,9 +3,10 @@ ZeroMQ endpoint, spoken as SGLang's native API, so it also drives an SGLang serv
 
 Generation is `POST /generate` (streaming: server-sent events); fork's prefix caching is a
 generate with `max_new_tokens: 0`, as in SGLang. select uses radixflow's `POST /radixflow/score`
-(the ZeroMQ `score` message, so both doors give the same decision; an SGLang server lacks that
-route, so select needs a radixflow server). One httpx client (thread-safe, pooled) is shared
-by every program thread.
+(the ZeroMQ `score` message, so both doors give the same decision). Where that route is missing
+(sglang-router forwards SGLang's routes only; an SGLang server) select scores through
+`/generate` with input logprobs, one prompt per request. One httpx client (thread-safe, pooled)
+is shared by every program thread.
 """
 
 from __future__ import annotations
@@ -178,7 +179,42 @@ class HttpEndpointMethods:
         """Logprobs of each continuation's tokens after `prefix` (one batch on the server)."""
         body = {"prefix": prefix, "continuations": list(continuations)}
         body["unconditional"] = unconditional
-        return self.http.json("POST", "/radixflow/score", body)["choices"]
+        if getattr(self, "_score_route", True):
+            response = self.http.call("POST", "/radixflow/score", body)
+            if response.status_code != 404:
+                self.http.check(response)
+                return response.json()["choices"]
+            self._score_route = False  # sglang-router forwards SGLang's routes only
+        return self._score_by_generate(prefix, list(continuations), unconditional)
+
+    def _score_by_generate(
+        self, prefix: str, continuations: list[str], unconditional: bool
+    ) -> list[dict[str, Any]]:
+        """score through SGLang's /generate (what a router forwards, one prompt per request,
+        so cache_aware routes each by its text): prefill the prefix to learn its length P,
+        then read each `prefix + continuation`'s input logprobs from position P. Equal to
+        /radixflow/score when the prefix's tokens do not merge with the continuation's."""
+        prefill = {"max_new_tokens": 0}
+        num_prefix = self.cache_prefix(prefix)["prompt_tokens"]
+        choices = []
+        for continuation in continuations:
+            full = self._input_logprobs(prefix + continuation, num_prefix, prefill)
+            alone = self._input_logprobs(continuation, 0, prefill) if unconditional else None
+            choices.append(
+                {
+                    "text": continuation,
+                    "token_ids": [e[1] for e in full],
+                    "logprobs": [0.0 if e[0] is None else e[0] for e in full],
+                    "unconditional_logprobs": None
+                    if alone is None
+                    else [0.0 if e[0] is None else e[0] for e in alone],
+                }
+            )
+        return choices
+
+    def _input_logprobs(self, text: str, start: int, params: dict[str, Any]) -> list[Any]:
+        body = _generate_body(text, params, None, True, start, 0, None)
+        return self.http.json("POST", "/generate", body)["meta_info"]["input_token_logprobs"]
 
     def cache_prefix(self, text: str) -> dict[str, Any]:
         """Prefill `text` into the radix cache (SGLang's max_new_tokens=0); its meta_info."""

@@ -15,6 +15,7 @@ from typing import Any
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE = ("", "ngram")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -73,6 +74,13 @@ class ServerConfig:
         "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
     )
     speculative_num_draft_tokens: int = _knob(8, "most draft tokens verified per request a step")
+    dp_size: int = _knob(
+        1, "data-parallel replicas (own scheduler and KV pool each) behind sglang-router on --port"
+    )
+    threads_per_replica: int = _knob(0, "with --dp-size on CPU: torch threads each; 0 = cores / N")
+    router_policy: str = _knob(
+        "cache_aware", "with --dp-size: sglang-router's --policy (cache_aware, round_robin, ...)"
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +114,9 @@ class ServerConfig:
                 "checkpoint; it serves the architectures it implements itself",
             ),
             (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
+            (self.dp_size >= 1, "dp_size must be >= 1"),
+            (self.threads_per_replica >= 0, "threads_per_replica must be >= 0"),
+            (self.router_policy in ROUTER_POLICIES, f"router_policy: {ROUTER_POLICIES}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -325,6 +325,7 @@ class HttpDoor:
             web.route("*", "/flush_cache", self.flush_cache),
             get("/health", self.health),
             get("/health_generate", self.health_generate),
+            get("/get_load", self.get_load),
             post("/abort_request", self.abort_request),
             post("/concate_and_append_request", self.concate_and_append),
             post("/radixflow/score", self.score),
@@ -547,6 +548,20 @@ class HttpDoor:
     async def health(self, request: web.Request) -> web.Response:
         data = self.server.health_data()
         return json_response(data, 200 if data["ok"] else 503)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's load report, one entry per data-parallel rank (we have one): sglang-router
+        reads `num_tokens` (KV held by live requests) for its power_of_two policy."""
+        stats = self.server.scheduler_stats
+        free = stats.get("free_slots", 0) + stats.get("evictable_tokens", 0)
+        running, waiting = stats.get("running_requests", 0), stats.get("waiting_requests", 0)
+        load = {
+            "dp_rank": 0,
+            "num_reqs": max(running + waiting, len(self.server.jobs)),
+            "num_waiting_reqs": waiting,
+            "num_tokens": max(stats.get("total_slots", 0) - free, 0),
+        }
+        return json_response([load])
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Generates one token (as SGLang does) so a stuck scheduler shows as 503."""
