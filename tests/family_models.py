@@ -3,6 +3,8 @@ config classes with each family's special features switched on, saved as safeten
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,18 @@ def _configs() -> dict[str, tuple[type, dict[str, Any]]]:
 
 
 FAMILIES = tuple(_configs())
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on a shared machine spinning
+    worker threads cost far more than they save; restore the count for later tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build_hf_model(family: str) -> transformers.PreTrainedModel:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from family_models import save_family, tiny_tokenizer
+from family_models import one_thread, save_family, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 from radixflow.runtime import Engine
@@ -36,7 +36,8 @@ PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """A tiny Qwen2 checkpoint directory and its transformers model."""
-    return save_family("qwen2", tmp_path_factory.mktemp("loader"))
+    with one_thread():
+        yield save_family("qwen2", tmp_path_factory.mktemp("loader"))
 
 
 def _gguf_name(name: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_models import FAMILIES, WINDOW, save_family
+from family_models import FAMILIES, WINDOW, one_thread, save_family
 
 from radixflow.kernels import CPU_OPS, REFERENCE_OPS
 from radixflow.runtime import Engine
@@ -26,7 +26,8 @@ MAX_COMPARED_LEN = 72
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {family: save_family(family, root) for family in FAMILIES}
+    with one_thread():
+        yield {family: save_family(family, root) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ def test_phi3_longrope_past_original_window(checkpoints, engines):
         out = hf_model(torch.tensor([ids]), use_cache=True)
         want = [int(out.logits[0, -1].argmax())]
         for _ in range(15):  # to position 79, past the original 72
-            out = hf_model(torch.tensor([want[-1:]]), past_key_values=out.past_key_values)
+            out = hf_model(torch.tensor([want[-1:]]), cache=out.cache)
             want.append(int(out.logits[0, -1].argmax()))
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     got = engines["phi3"].generate(input_ids=ids, sampling_params=params)["output_ids"]
