@@ -122,6 +122,18 @@ def check_hf_dir(path: Path) -> dict:
     return config
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint: those its index names when it is
+    sharded, else model.safetensors, else every *.safetensors (some repositories also ship
+    another format's file beside them, such as Mistral's consolidated.safetensors)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+
+
 def load_hf_config(model_dir: Path) -> Any:
     """transformers' config object for a local directory (never remote code), so fields a
     config class derives (layer types, rope parameters) are derived as transformers does."""

@@ -17,7 +17,7 @@ from radixflow.kernels import AttentionOps, get_ops
 from radixflow.runtime import models
 from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.loader import load_hf_config
+from radixflow.runtime.loader import load_hf_config, weight_files
 from radixflow.runtime.models.layers import CausalLM, ForwardBatch, ModelConfig
 from radixflow.runtime.sampler import sample
 
@@ -46,7 +46,7 @@ def load_model(
     model_config = models.model_config(load_hf_config(model_dir))
     model = CausalLM(model_config, pick_ops(config.attention_backend, device, model_config))
     state: dict[str, torch.Tensor] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
+    for file in weight_files(model_dir):
         state.update(load_file(str(file)))
     model.load_hf_state_dict(state)
     return model.to(device=device, dtype=dtype).eval()

@@ -206,3 +206,24 @@ def test_model_knobs(qwen2, tmp_path):
         Engine(model=str(path), device="cpu", max_total_tokens=256, context_length=1000)
     with pytest.raises(ValueError, match="neither a file nor a Jinja"):
         Engine(model=str(path), device="cpu", max_total_tokens=256, chat_template="nope.txt")
+
+
+def test_sharded_checkpoint_reads_only_its_index(qwen2, tmp_path):
+    """A checkpoint sharded by its index, beside another format's file (as Mistral's
+    repositories ship consolidated.safetensors): only the indexed shards are read."""
+    path, hf_model = qwen2
+    hf_model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    shutil.copy(path / "tokenizer.json", tmp_path / "m")
+    shutil.copy(path / "tokenizer_config.json", tmp_path / "m")
+    assert len(list((tmp_path / "m").glob("model-*.safetensors"))) > 1
+    save_file(
+        {"layers.0.attention.wq.weight": torch.zeros(2)},
+        tmp_path / "m" / "consolidated.safetensors",
+    )
+    with Engine(model=str(tmp_path / "m"), device="cpu", max_total_tokens=256) as engine:
+        with Engine(model=str(path), device="cpu", max_total_tokens=256) as whole:
+            ids = list(range(50, 80))
+            assert (
+                engine.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"]
+                == (whole.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"])
+            )
