@@ -66,7 +66,9 @@ def test_chat_greedy_equals_offline_engine_and_usage_equals_tokenizer(
     out = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=12, temperature=0
     )
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     offline = engine.generate(
         input_ids=list(ids), sampling_params={"max_new_tokens": 12, "temperature": 0}
     )
