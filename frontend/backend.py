@@ -64,7 +64,7 @@ from radixflow.runtime.messages import (
 
 CONNECT_TIMEOUT_S = 10.0  # longest wait for the first connection before a call fails
 READY_PREFIX = "radixflow ready on "
-READY_ADDRESSES = re.compile(r"(https?://\S+).*?(tcp://\S+)")
+READY_ADDRESSES = re.compile(r"(https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP only
 
 
 class RuntimeEndpointError(RuntimeError):
@@ -432,7 +432,9 @@ class Runtime:
     """Launch `python -m radixflow.runtime serve` as a subprocess and connect to it.
 
     `.endpoint` is a ZeroMQ RuntimeEndpoint; `.url` the HTTP base URL (SGLang's native API,
-    OpenAI's at `.url + "/v1"`), `.address` the ZeroMQ one.
+    OpenAI's at `.url + "/v1"`), `.address` the ZeroMQ one. With `dp_size > 1` the server is
+    sglang-router over replicas, which speaks HTTP only: `.address` is None and `.endpoint`
+    an HTTP one on `.url`.
 
     `server_config_kwargs` are ServerConfig fields (max_total_tokens=8192, ...). The server is
     shut down by `shutdown()`, at interpreter exit, or as a context manager."""
@@ -453,9 +455,9 @@ class Runtime:
         atexit.register(self.shutdown)
         self.url, self.address = self._wait_ready(launch_timeout)  # HTTP, ZeroMQ
         api_key = server_config_kwargs.get("api_key")
-        self.endpoint = RuntimeEndpoint(self.address, api_key=api_key)
+        self.endpoint = RuntimeEndpoint(self.address or self.url, api_key=api_key)
 
-    def _wait_ready(self, launch_timeout: float) -> tuple[str, str]:
+    def _wait_ready(self, launch_timeout: float) -> tuple[str, str | None]:
         lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_pump_lines, args=(self.process, lines), daemon=True).start()
         deadline = time.monotonic() + launch_timeout

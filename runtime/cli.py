@@ -79,4 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"radixflow: {e}", file=sys.stderr)
         return 2
+    if config.dp_size > 1:
+        from radixflow.runtime.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(config, args.log_level)
     return server.serve(config, args.log_level)

@@ -9,8 +9,9 @@ into it: text is cumulative, ids and logprobs append) and the final reply, so a 
 client costs memory bounded by its own output, and only its own handler waits on its socket.
 A client that disconnects cancels its handler (aiohttp's handler_cancellation), and the
 handler's exit aborts whatever it still had in flight: its KV is freed at the scheduler's next
-step. Bodies are limited to `max_message_bytes` (413); with an API key every route wants
-`Authorization: Bearer <key>` (401). Every error is OpenAI's shape
+step. Bodies are limited to `max_message_bytes` (413); with an API key every route but SGLang's
+unauthenticated `/health` and `/health_generate` wants `Authorization: Bearer <key>` (401).
+Every error is OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -358,7 +359,9 @@ class HttpDoor:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
     ) -> web.StreamResponse:
         key = self.server.config.api_key
-        if key:
+        # SGLang's rule: /health* answer without the key (sglang-router registers a worker by
+        # probing /health before it sends any key; a 401 there keeps the worker out)
+        if key and not request.path.startswith("/health"):
             given = request.headers.get("Authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), key.encode()):
