@@ -36,6 +36,15 @@ LONGROPE = {
 
 def _configs() -> dict[str, tuple[type, dict[str, Any]]]:
     return {
+        # llama3 rope scaling, bias on attention and MLP projections
+        "llama": (
+            transformers.LlamaConfig,
+            dict(attention_bias=True, mlp_bias=True, rope_parameters={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            }),
+        ),
         # bias on q/k/v only; tied embeddings; windows on layers >= max_window_layers
         "qwen2": (
             transformers.Qwen2Config,
