@@ -96,7 +96,7 @@ def kv_finding(s: dict[str, Any]) -> Finding:
     per_1000 = 1000 * s.get("preemptions", 0) / requests
     kv_share = s.get("admission_stop_kv", 0) / steps
     peak = s.get("kv_use_peak", 0.0)
-    score = max(per_1000 / 50, kv_share * (2.0 if peak > 0.8 else 0.5))
+    score = max(per_1000 / 50, kv_share * (2.0 if peak > 0.7 else 0.5))
     return Finding(
         "kv",
         score,
@@ -277,15 +277,12 @@ def diagnose_main(args: argparse.Namespace, unknown: list[str]) -> int:
 
 
 def read_stats(url: str, api_key: str = "") -> dict[str, Any]:
-    """The scheduler stats of a live server (ZeroMQ `stats`, or HTTP /get_server_info)."""
+    """The scheduler stats of a live server: ZeroMQ `stats` (tcp://), or HTTP /server_info's
+    internal_states (http://, where the frontend speaks it)."""
     from radixflow import RuntimeEndpoint  # noqa: PLC0415
 
     endpoint = RuntimeEndpoint(url, api_key=api_key) if api_key else RuntimeEndpoint(url)
     try:
-        if url.startswith("http"):
-            info = endpoint.get_server_info()
-            states = info.get("internal_states") or [info]
-            return states[0]
         return endpoint.stats()
     finally:
         endpoint.close()

@@ -1,11 +1,11 @@
 """Workloads for `radixflow diagnose --workload`: the bench's, and the lab's constructed cases,
 each small enough for a CPU, each a known shape of load:
 
-  long_outputs      8 requests, 40-word prompts, 24 new tokens each (KV-hungry on a small
+  long_outputs      6 requests, 24-word prompts, 12 new tokens each (KV-hungry on a small
                     pool; admission-capped with --max-running-requests 2)
-  long_prompts_mix  3 chats decoding while two ~500-word prompts arrive (chunked prefill)
-  timestamp_prefix  6 programs whose shared instructions sit behind a varying timestamp
-  small_chat        4 short requests (a healthy load)
+  long_prompts_mix  2 chats decoding when a ~320-word prompt arrives (chunked prefill)
+  timestamp_prefix  4 programs whose shared instructions sit behind a varying timestamp
+  small_chat        3 short requests (a healthy load)
 
 `run_case` runs one on the real engine (or in simulate) and returns the scheduler's stats.
 """
@@ -38,14 +38,14 @@ def lab_workload(name: str, codec: Any, quick: bool = False) -> Any:
         return tuple(codec.encode(text))
 
     if name == "long_outputs":
-        calls = [Call(encode(_sentence(rng, words, 40)), 24) for _ in range(8)]
+        calls = [Call(encode(_sentence(rng, words, 24)), 12) for _ in range(6)]
     elif name == "long_prompts_mix":
-        calls = [Call(encode(_sentence(rng, words, 20)), 24) for _ in range(3)]
+        calls = [Call(encode(_sentence(rng, words, 12)), 16) for _ in range(2)]
         calls += [
-            Call(encode(_sentence(rng, words, 500)), 4, after_tokens=4 + 6 * i) for i in range(2)
+            Call(encode(_sentence(rng, words, 320)), 2, after_tokens=4 + 6 * i) for i in range(1)
         ]
     elif name == "timestamp_prefix":
-        shared = "Follow these instructions. " + _sentence(rng, words, 120) + "\n"
+        shared = "Follow these instructions. " + _sentence(rng, words, 48) + "\n"
         calls = [
             Call(
                 encode(
@@ -54,10 +54,10 @@ def lab_workload(name: str, codec: Any, quick: bool = False) -> Any:
                 ),
                 4,
             )
-            for i in range(6)
+            for i in range(4)
         ]
     elif name == "small_chat":
-        calls = [Call(encode(_sentence(rng, words, 12)), 8) for _ in range(4)]
+        calls = [Call(encode(_sentence(rng, words, 8)), 6) for _ in range(3)]
     else:
         known = sorted([*WORKLOADS, *LAB_CASES])
         raise ValueError(f"unknown workload {name!r}; one of {known}")

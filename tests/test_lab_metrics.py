@@ -36,11 +36,11 @@ def test_latency_percentiles_are_the_requests_own() -> None:
     steps = [t for _, t in scheduler.runner.shapes]
     assert stats["steps_recorded"] == len(steps)
     assert stats["step_time_p50_s"] == pytest.approx(float(np.percentile(steps, 50)))
-    # 4 requests admitted together: every TTFT is the first step, every ITL a decode step
+    # 3 requests admitted together: every TTFT is the first step, every ITL a decode step
     assert stats["ttft_p50_s"] == pytest.approx(steps[0])
-    gaps = np.repeat(steps[1:], 4)  # each decode step is a gap of all four
+    gaps = np.repeat(steps[1:], 3)  # each decode step is a gap of all three
     assert stats["itl_p99_s"] == pytest.approx(float(np.percentile(gaps, 99)))
-    assert stats["latency_window_requests"] == 4 and len(stats["recent_requests"]) == 4
+    assert stats["latency_window_requests"] == 3 and len(stats["recent_requests"]) == 3
     assert stats["admission_stop_nothing_waiting"] == len(steps)
 
 
