@@ -110,3 +110,22 @@ def test_h100_step_costs_from_first_principles() -> None:
     assert decode == pytest.approx(0.002 + (70.6e9 + 1000 * 163_840) / 3.35e12)
     prefill = H100.step_time(StepShape(4096, 0, 0, 0))  # compute bound at MFU 0.5
     assert prefill == pytest.approx(0.002 + 2 * 70.6e9 * 4096 / (989e12 * 0.5), rel=1e-6)
+
+
+def test_the_lab_runs_without_torch() -> None:
+    """simulate and diagnose plan a GPU deployment on a laptop: no torch, no model."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from radixflow.runtime.lab_cli import main\n"
+        "main(['diagnose', '--workload', 'small_chat', '--simulate', 'h100-llama-3.3-70b-fp8'])\n"
+        "main(['simulate', '--workload', 'independent', '--quick', '--modes', 'continuous'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    assert "primary bottleneck: none" in out and "continuous" in out
+    assert out.strip().splitlines()[-1] == "[]"
