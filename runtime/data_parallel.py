@@ -58,6 +58,7 @@ ROUTER_TIMEOUT_S = 120.0
 STOP_WAIT_S = 30.0
 MAX_RESTARTS = 5
 HEALTH_CHECK_INTERVAL_S = 2  # the router's; its default (60 s) leaves a dead replica listed long
+CIRCUIT_OPEN_S = 10  # the router's wait before it tries a failed worker again (default 60 s)
 
 
 class DataParallelError(RuntimeError):
@@ -189,6 +190,7 @@ class DataParallel:
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1"))]
         cmd += ["--health-check-interval-secs", str(HEALTH_CHECK_INTERVAL_S)]
         cmd += ["--shutdown-grace-period-secs", str(int(STOP_WAIT_S) // 2)]
+        cmd += ["--cb-timeout-duration-secs", str(CIRCUIT_OPEN_S)]
         cmd += ["--log-level", {"warning": "warn"}.get(self.log_level, self.log_level)]
         if self.config.api_key:
             cmd += ["--api-key", self.config.api_key]

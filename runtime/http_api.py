@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -111,6 +112,13 @@ SAMPLING_NOOP = {
     "beam_width": None,
 }
 SAMPLING_ANY = ("spaces_between_special_tokens", "stream_interval")
+
+
+def is_http2_probe(record: logging.LogRecord) -> bool:
+    """sglang-router opens every new worker with an HTTP/2 (gRPC) probe; aiohttp answers it
+    400 and logs a traceback. Keep the 400, drop the traceback (False filters the record)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "PRI/Upgrade" in str(error))
 
 
 class HttpError(Exception):
@@ -336,6 +344,7 @@ class HttpDoor:
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> str:
+        logging.getLogger("aiohttp.server").addFilter(is_http2_probe)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,175 @@
+"""Data-parallel replicas behind sglang-router: routing policies side by side, in one run.
+
+    python programs/bench_router.py [--quick] [--policies cache_aware,round_robin]
+                                    [--workloads few_shot,agent,multi_turn] [--json out.json]
+
+Setups, one after the other on this machine: one replica (all cores) behind sglang-router,
+then, per policy, `--dp-size 2` replicas (1 thread each) behind it. Every setup runs the
+`radixflow bench` program workloads (bench/dsl.py's @function programs, greedy) through the
+router URL with `RuntimeEndpoint`, one client thread per program, from a cold cache (the
+router fans /flush_cache out). The single replica sits behind the router too, so every setup
+sends the same requests (select scores through /generate there as well).
+
+Figures per (setup, workload): wall time and output tokens/s; the cache hit rate as the
+replicas count it, cached / prompt tokens summed over every replica's /server_info (these
+count every request the programs sent, select's scoring requests included); prefill tokens
+computed; and the share of requests each replica served. The output digest (texts and chosen
+options, bench/harness.py) tells whether a setup's outputs equal the single replica's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import httpx
+
+import radixflow as sgl
+from radixflow.bench import dsl, workloads
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.data_parallel import DataParallel
+from radixflow.runtime.loader import resolve_model_dir
+from radixflow.runtime.tokenizer import load_tokenizer
+
+WORKLOADS = ("few_shot", "agent", "multi_turn")
+COUNTERS = ("prompt_tokens", "cached_tokens", "prefill_tokens_computed", "request_generate")
+
+
+def worker_urls(router_url: str, api_key: str = "") -> list[str]:
+    """The replicas the router has registered (its /workers route)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    workers = httpx.get(f"{router_url}/workers", headers=headers, timeout=10).json()["workers"]
+    return sorted(w["url"] for w in workers)
+
+
+def replica_counters(urls: list[str], api_key: str = "") -> list[dict[str, int]]:
+    """Per replica: prompt, cached and computed prefill tokens, generate requests so far."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out = []
+    for url in urls:
+        info = httpx.get(f"{url}/server_info", headers=headers, timeout=10).json()
+        stats = info["internal_states"][0]
+        server = stats.get("server", {})
+        out.append({k: int(stats.get(k, server.get(k, 0)) or 0) for k in COUNTERS})
+    return out
+
+
+def run_workload(
+    url: str,
+    name: str,
+    quick: bool,
+    api_key: str = "",
+    replicas: list[str] | None = None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """Run one bench workload's programs through `url` (a router, or one server with
+    `replicas=[url]`); its row and per-program outputs (`per_program`: what each program
+    returned, round by round)."""
+    codec = workloads.server_codec(load_tokenizer(resolve_model_dir("smollm2")))
+    workload = workloads.WORKLOADS[name](codec, quick)
+    endpoint = sgl.RuntimeEndpoint(url, api_key=api_key or None, timeout=timeout)
+    urls = worker_urls(url, api_key) if replicas is None else replicas
+    try:
+        endpoint.flush_cache()
+        before = replica_counters(urls, api_key)
+        start = time.perf_counter()
+        states = dsl.PROGRAMS[name].run_batch(
+            workload.programs,
+            backend=endpoint,
+            num_threads=len(workload.programs),
+            chat_template="default",
+        )
+        wall = time.perf_counter() - start
+        after = replica_counters(urls, api_key)
+    finally:
+        endpoint.close()
+    errors = [repr(s.error()) for s in states if s.error() is not None]
+    if errors:
+        raise RuntimeError(f"{name}: {len(errors)} programs failed, first: {errors[0]}")
+    per_program = [s.ret_value for s in states]
+    tally = dsl.replay(workload, per_program)
+    tally.wall = wall
+    row = tally.row(workload, "router", 0.0)
+    delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+    prompt = sum(d["prompt_tokens"] for d in delta)
+    requests = sum(d["request_generate"] for d in delta) or 1
+    row.update(
+        server_hit_rate=sum(d["cached_tokens"] for d in delta) / prompt if prompt else 0.0,
+        prefill_tokens=sum(d["prefill_tokens_computed"] for d in delta),
+        request_share=[round(d["request_generate"] / requests, 3) for d in delta],
+        per_program=per_program,
+    )
+    return row
+
+
+def start_setup(replicas: int, policy: str, threads: int) -> DataParallel:
+    config = ServerConfig(
+        port=0,
+        dp_size=replicas,
+        router_policy=policy,
+        threads_per_replica=threads,
+        max_total_tokens=16384,
+    )
+    supervisor = DataParallel(config, "warning")
+    supervisor.start()
+    return supervisor
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the bench's quick sizes")
+    parser.add_argument("--policies", default="cache_aware,round_robin")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--json", default="", help="also write the rows here")
+    args = parser.parse_args(argv)
+    cores = os.cpu_count() or 1
+    setups = [("1 replica", 1, "cache_aware", cores)]
+    setups += [(f"2 x {p}", 2, p, max(1, cores // 2)) for p in args.policies.split(",")]
+    rows: list[dict[str, Any]] = []
+    for label, replicas, policy, threads in setups:
+        print(f"starting {label} ({threads} thread(s) per replica)", file=sys.stderr, flush=True)
+        supervisor = start_setup(replicas, policy, threads)
+        try:
+            for name in args.workloads.split(","):
+                row = run_workload(supervisor.url, name, args.quick)
+                row.update(setup=label, policy=policy, replicas=replicas)
+                rows.append(row)
+                print(format_row(row), file=sys.stderr, flush=True)
+        finally:
+            supervisor.stop()
+    report(rows)
+    if args.json:
+        meta = {"load_average": os.getloadavg(), "cores": cores, "quick": args.quick}
+        clean = [{k: v for k, v in r.items() if k != "per_program"} for r in rows]
+        with open(args.json, "w") as f:
+            json.dump({"machine": meta, "rows": clean}, f, indent=1)
+    return 0
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (
+        f"| {row['setup']} | {row['workload']} | {row['wall_s']:.1f} | "
+        f"{row['tokens_per_s']:.1f} | {100 * row['server_hit_rate']:.1f}% | "
+        f"{row['prefill_tokens']} | {row['request_share']} | {row['output_digest'][:8]} |"
+    )
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    single = {r["workload"]: r for r in rows if r["replicas"] == 1}
+    print("| setup | workload | wall s | out tok/s | hit rate | prefill | requests/replica | out |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
+    for row in rows:
+        base = single.get(row["workload"])
+        same = "" if base is None else (" (= 1 replica)" if base is row else "")
+        if base is not None and base is not row:
+            same = " (= 1 replica)" if row["output_digest"] == base["output_digest"] else " (!=)"
+        print(format_row(row).rstrip(" |") + same + " |")
+    print(f"load average at the end: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
