@@ -277,7 +277,8 @@ class OpenAiRoutes:
         top = typed(body, "logprobs", int, None)
         if top is not None and not 0 <= top <= 5:
             raise HttpError(400, "logprobs must be in [0, 5]", "logprobs")
-        body.setdefault("max_tokens", 16)  # OpenAI's default for completions
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = 16  # OpenAI's default for completions (also for null)
         msgs = self.choices_of(prompts, body, "max_tokens", -1 if top is None else top)
         return await self.respond(request, body, msgs, chat=False)
 
