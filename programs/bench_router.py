@@ -1,25 +1,28 @@
 """Data-parallel replicas behind sglang-router: routing policies side by side, in one run.
 
-    python programs/bench_router.py [--quick] [--policies cache_aware,round_robin]
-                                    [--workloads few_shot,agent,multi_turn] [--json out.json]
+    python programs/bench_router.py [--quick] [--programs 8] [--json out.json]
+                                    [--policies cache_aware,round_robin]
+                                    [--workloads few_shot,agent,multi_turn]
 
 Setups, one after the other on this machine: one replica (all cores) behind sglang-router,
 then, per policy, `--dp-size 2` replicas (1 thread each) behind it. Every setup runs the
-`radixflow bench` program workloads (bench/dsl.py's @function programs, greedy) through the
-router URL with `RuntimeEndpoint`, one client thread per program, from a cold cache (the
-router fans /flush_cache out). The single replica sits behind the router too, so every setup
-sends the same requests (select scores through /generate there as well).
+`radixflow bench` program workloads (bench/dsl.py's @function programs, greedy; the first
+`--programs` programs of each, full size unless `--quick`) through the router URL with
+`RuntimeEndpoint`, one client thread per program, from a cold cache (the router fans
+/flush_cache out). The single replica sits behind the router too, so every setup sends the
+same requests (select scores through /generate there as well). The digest is a hash of the
+programs' outputs (texts and chosen options): equal digests, equal outputs.
 
 Figures per (setup, workload): wall time and output tokens/s; the cache hit rate as the
 replicas count it, cached / prompt tokens summed over every replica's /server_info (these
 count every request the programs sent, select's scoring requests included); prefill tokens
-computed; and the share of requests each replica served. The output digest (texts and chosen
-options, bench/harness.py) tells whether a setup's outputs equal the single replica's.
+computed; and the share of requests each replica served.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -64,13 +67,15 @@ def run_workload(
     quick: bool,
     api_key: str = "",
     replicas: list[str] | None = None,
-    timeout: float = 600.0,
+    num_programs: int = 0,
+    timeout: float = 900.0,
 ) -> dict[str, Any]:
-    """Run one bench workload's programs through `url` (a router, or one server with
-    `replicas=[url]`); its row and per-program outputs (`per_program`: what each program
-    returned, round by round)."""
+    """Run one bench workload's programs (the first `num_programs`; 0 = all) through `url`
+    (a router, or one server with `replicas=[url]`); its row, with `per_program`: what each
+    program returned, round by round."""
     codec = workloads.server_codec(load_tokenizer(resolve_model_dir("smollm2")))
-    workload = workloads.WORKLOADS[name](codec, quick)
+    programs = workloads.WORKLOADS[name](codec, quick).programs
+    programs = programs[:num_programs] if num_programs else programs
     endpoint = sgl.RuntimeEndpoint(url, api_key=api_key or None, timeout=timeout)
     urls = worker_urls(url, api_key) if replicas is None else replicas
     try:
@@ -78,10 +83,7 @@ def run_workload(
         before = replica_counters(urls, api_key)
         start = time.perf_counter()
         states = dsl.PROGRAMS[name].run_batch(
-            workload.programs,
-            backend=endpoint,
-            num_threads=len(workload.programs),
-            chat_template="default",
+            programs, backend=endpoint, num_threads=len(programs), chat_template="default"
         )
         wall = time.perf_counter() - start
         after = replica_counters(urls, api_key)
@@ -91,19 +93,25 @@ def run_workload(
     if errors:
         raise RuntimeError(f"{name}: {len(errors)} programs failed, first: {errors[0]}")
     per_program = [s.ret_value for s in states]
-    tally = dsl.replay(workload, per_program)
-    tally.wall = wall
-    row = tally.row(workload, "router", 0.0)
+    outputs = [o for program in per_program for step in program for o in step]
+    output_tokens = sum(o["tokens"] for o in outputs if isinstance(o, dict))
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
     prompt = sum(d["prompt_tokens"] for d in delta)
     requests = sum(d["request_generate"] for d in delta) or 1
-    row.update(
-        server_hit_rate=sum(d["cached_tokens"] for d in delta) / prompt if prompt else 0.0,
-        prefill_tokens=sum(d["prefill_tokens_computed"] for d in delta),
-        request_share=[round(d["request_generate"] / requests, 3) for d in delta],
-        per_program=per_program,
-    )
-    return row
+    return {
+        "workload": name,
+        "programs": len(programs),
+        "wall_s": wall,
+        "output_tokens": output_tokens,
+        "tokens_per_s": output_tokens / wall,
+        "programs_per_s": len(programs) / wall,
+        "server_hit_rate": sum(d["cached_tokens"] for d in delta) / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "prefill_tokens": sum(d["prefill_tokens_computed"] for d in delta),
+        "request_share": [round(d["request_generate"] / requests, 3) for d in delta],
+        "output_digest": hashlib.sha256(json.dumps(per_program).encode()).hexdigest()[:16],
+        "per_program": per_program,
+    }
 
 
 def start_setup(replicas: int, policy: str, threads: int) -> DataParallel:
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the bench's quick sizes")
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--programs", type=int, default=8, help="programs per workload; 0 = all")
     parser.add_argument("--json", default="", help="also write the rows here")
     args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = start_setup(replicas, policy, threads)
         try:
             for name in args.workloads.split(","):
-                row = run_workload(supervisor.url, name, args.quick)
+                row = run_workload(supervisor.url, name, args.quick, num_programs=args.programs)
                 row.update(setup=label, policy=policy, replicas=replicas)
                 rows.append(row)
                 print(format_row(row), file=sys.stderr, flush=True)
