@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -36,14 +35,10 @@ import zmq
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.jobs import FlushJob, GenerateJob, Job, ScoreJob, prefill_spec
 from radixflow.runtime.messages import (
-    CLIENT_REQUESTS,
-    CLIENT_TIMEOUT_S,
-    ERROR_BAD_MESSAGE,
     ERROR_DUPLICATE_RID,
     ERROR_INTERNAL,
     ERROR_INVALID_REQUEST,
     ERROR_SHUTDOWN,
-    ERROR_UNAUTHORIZED,
     ERROR_UNAVAILABLE,
     FROM_SCHEDULER,
     PROTOCOL_VERSION,
@@ -59,7 +54,6 @@ from radixflow.runtime.messages import (
     Health,
     ModelInfo,
     Ping,
-    ProtocolError,
     ReqSpec,
     RequestUpdates,
     Result,
@@ -68,8 +62,6 @@ from radixflow.runtime.messages import (
     Score,
     Shutdown,
     Stats,
-    decode_with_key,
-    encode,
 )
 from radixflow.runtime.metrics import Metrics
 from radixflow.runtime.request import RequestLimits
@@ -78,22 +70,20 @@ from radixflow.runtime.transport import (
     PullQueue,
     PushQueue,
     TransportError,
-    client_router,
     is_loopback,
     make_ipc_dir,
     remove_ipc_dir,
 )
+from radixflow.runtime.zmq_door import ZmqDoor
 
 log = logging.getLogger("radixflow.server")
 
 POLL_MS = 100
-MAX_FRAMES_PER_POLL = 512
 MAX_RESTARTS_IN_A_ROW = 3
 SHUTDOWN_WAIT_S = 10.0
 MAX_TOP_LOGPROBS = 64
 MAX_RID_LEN = 256
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
-CLIENT_CHECK_INTERVAL_S = 0.5
 MAX_PUMPS = 8  # drain rounds per callback before yielding to the HTTP handlers
 MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
 
@@ -125,7 +115,7 @@ class Server:
         self.from_scheduler: PullQueue[Any] = PullQueue(
             self.ctx, self.ipc.from_scheduler, True, FROM_SCHEDULER
         )
-        self.router: zmq.Socket | None = None
+        self.zmq = ZmqDoor(self)
         self.address = ""  # tcp:// of the ZeroMQ door
         self.http_url = ""  # http:// of the HTTP door
         self.wakeup: asyncio.Event | None = None
@@ -139,7 +129,6 @@ class Server:
         self.tokenizer: Any = None
         self.jobs: dict[str, Job] = {}  # by the client's rid
         self.by_internal: dict[str, Job] = {}  # by scheduler rid
-        self.last_seen: dict[bytes, float] = {}  # client identity -> last frame time
         self.scheduler_stats: dict[str, Any] = {}
         self.idle_check: str | None = None
         self.counters: Counter[str] = Counter()
@@ -147,7 +136,6 @@ class Server:
         self.stopping = False
         self.started = time.monotonic()
         self.last_log = (time.monotonic(), 0)
-        self.last_client_check = 0.0
         self.handlers = {
             Generate: self._on_generate,
             Score: self._on_score,
@@ -174,7 +162,7 @@ class Server:
             if self.status != "ok" and self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"the scheduler process exited ({self.proc.returncode})")
         port = self.config.zmq_port if self.config.port else 0  # --port 0: both ports free
-        self.router, self.address = client_router(self.ctx, self.config.host, port)
+        self.address = self.zmq.bind(self.ctx, self.config.host, port)
         if self.config.api_key:
             log.warning("API key required: every message and HTTP request must carry it")
         return self.address
@@ -190,14 +178,14 @@ class Server:
         then serve both doors; at the end every request in flight gets its final answer."""
         from radixflow.runtime.http_api import HttpDoor  # aiohttp only in the server process
 
-        assert self.router is not None, "start() first"
+        assert self.zmq.router is not None, "start() first"
         loop = asyncio.get_running_loop()
         self.wakeup = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         door = HttpDoor(self)
         self.http_url = await door.start(self.config.host, self.config.port)
-        sockets = (self.router, self.from_scheduler.socket)
+        sockets = (self.zmq.router, self.from_scheduler.socket)
         for sock in sockets:
             loop.add_reader(sock.getsockopt(zmq.FD), self._pump)
         announce(self.http_url, self.address)
@@ -218,15 +206,12 @@ class Server:
     def _pump(self) -> None:
         """Drain the ROUTER and the scheduler queue. Their FDs are edge-triggered and a send
         can consume an edge, so keep going until ZMQ_EVENTS shows nothing left."""
-        assert self.router is not None
         for _ in range(MAX_PUMPS):
-            self._drain_clients()
+            self.zmq.drain()
             for msg in self.from_scheduler.drain():
                 self._on_scheduler_message(msg)
-            waiting = self.router.getsockopt(zmq.EVENTS) | self.from_scheduler.socket.getsockopt(
-                zmq.EVENTS
-            )
-            if not waiting & zmq.POLLIN:
+            scheduler_waiting = self.from_scheduler.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            if not (self.zmq.pending() or scheduler_waiting):
                 return
         asyncio.get_running_loop().call_soon(self._pump)  # let HTTP handlers run meanwhile
 
@@ -238,8 +223,7 @@ class Server:
         """Answer every request in flight, stop the scheduler, remove the ipc files."""
         self._fail_all(ERROR_SHUTDOWN, "the server is shutting down")
         self._stop_scheduler()
-        if self.router is not None:
-            self.router.close(linger=2000)  # deliver the final replies
+        self.zmq.close()
         self.to_scheduler.close()
         self.from_scheduler.close()
         self.ctx.term()
@@ -311,38 +295,7 @@ class Server:
         self.status, self.failed_starts = "ok", 0
         log.info("scheduler %d ready (model loaded in %.1fs)", msg.pid, msg.load_seconds)
 
-    # ---- client frames --------------------------------------------------------------------
-
-    def _drain_clients(self) -> None:
-        assert self.router is not None
-        for _ in range(MAX_FRAMES_PER_POLL):
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_frames(frames[0], frames[1:])
-
-    def _on_frames(self, identity: bytes, parts: list[bytes]) -> None:
-        self.last_seen[identity] = time.monotonic()
-        if len(parts) != 1:
-            self._send(identity, Error("", ERROR_BAD_MESSAGE, f"{len(parts)} frames, expected 1"))
-            return
-        try:
-            msg, key = decode_with_key(parts[0], CLIENT_REQUESTS, self.config.max_message_bytes)
-        except ProtocolError as e:
-            self.counters[f"error_{e.code}"] += 1
-            log.info("protocol error from %s: %s", identity.hex(), e)
-            self._send(identity, Error(e.rid, e.code, str(e)))
-            return
-        rid = getattr(msg, "rid", "")
-        if self.config.api_key and not hmac.compare_digest(key, self.config.api_key):
-            self.counters[f"error_{ERROR_UNAUTHORIZED}"] += 1
-            if not isinstance(msg, Ping):
-                self._send(identity, Error(rid, ERROR_UNAUTHORIZED, "missing or wrong API key"))
-            return
-        if not isinstance(msg, Ping):
-            self.counters[f"request_{msg.TAG}"] += 1
-        self.handle(identity, msg)
+    # ---- requests (either door) ----------------------------------------------------------
 
     def handle(self, identity: Any, msg: Any) -> None:
         """Run one client request (either door); its replies go to `identity` by `_send`,
@@ -459,7 +412,7 @@ class Server:
             **self.counters,
             "status": self.status,
             "requests_in_flight": len(self.jobs),
-            "clients_waiting": len(self.last_seen),
+            "clients_waiting": len(self.zmq.last_seen),
             "scheduler_restarts": self.restarts,
             "uptime_s": time.monotonic() - self.started,
         }
@@ -484,9 +437,8 @@ class Server:
         return True
 
     def abort_identity(self, identity: Any, message: str) -> None:
-        """Abort every request still in flight for `identity` (an HTTP client that left);
-        their final replies are dropped."""
-        for job in [j for j in self.jobs.values() if j.identity is identity]:
+        """Abort every request still in flight for `identity` (a client that left)."""
+        for job in [j for j in self.jobs.values() if j.identity == identity]:
             if isinstance(job, FlushJob):
                 self._forget(job)
             else:
@@ -601,45 +553,17 @@ class Server:
 
     def _send(self, identity: Any, reply: Any) -> None:
         """To a ZeroMQ client (identity bytes) or an HTTP handler's sink (never blocks)."""
-        if not isinstance(identity, bytes):
+        if isinstance(identity, bytes):
+            self.zmq.send(identity, reply)
+        else:
             identity.deliver(reply)
-            return
-        assert self.router is not None
-        try:
-            self.router.send_multipart([identity, encode(reply)], zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("reply to %s dropped: its queue is full", identity.hex())
 
     # ---- housekeeping ---------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
         self._check_scheduler()
-        self._check_clients()
+        self.zmq.check_clients()
         self._log_load()
-
-    def _check_clients(self) -> None:
-        """Abort the requests of clients silent for CLIENT_TIMEOUT_S (crashed, killed)."""
-        now = time.monotonic()
-        if now - self.last_client_check < CLIENT_CHECK_INTERVAL_S:
-            return
-        self.last_client_check = now
-        waiting = {job.identity for job in self.jobs.values()}
-        for identity in list(self.last_seen):
-            if identity not in waiting:
-                del self.last_seen[identity]
-            elif now - self.last_seen[identity] > CLIENT_TIMEOUT_S:
-                del self.last_seen[identity]
-                self._drop_client(identity)
-
-    def _drop_client(self, identity: bytes) -> None:
-        mine = [job for job in self.jobs.values() if job.identity == identity]
-        log.warning("client %s went silent; aborting its %d requests", identity.hex(), len(mine))
-        self.counters["clients_timed_out"] += 1
-        for job in mine:  # the final replies still go out: a client that was only frozen
-            if isinstance(job, FlushJob):  # (SIGSTOP, a debugger) gets them when it resumes
-                self._forget(job)
-            else:
-                self._abort(job, "client disconnected")
 
     def _log_load(self) -> None:
         now = time.monotonic()
