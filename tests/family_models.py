@@ -140,3 +140,24 @@ def save_family(family: str, root: Path) -> tuple[Path, transformers.PreTrainedM
     model.save_pretrained(path, safe_serialization=True)
     tiny_tokenizer().save_pretrained(path)
     return path, model
+
+
+def save_gemma3_multimodal(root: Path) -> tuple[Path, transformers.PreTrainedModel]:
+    """A Gemma 3 image-text checkpoint (a tiny SigLIP tower beside the text model), as the
+    4B and larger Gemma 3 models ship."""
+    _, text = _configs()["gemma3"]
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config={**COMMON, **text}, vision_config=vision, mm_tokens_per_image=4
+    )
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                param.normal_(0.0, 0.3)
+    path = root / "gemma3-multimodal"
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
+    return path, model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_models import FAMILIES, WINDOW, one_thread, save_family
+from family_models import FAMILIES, WINDOW, one_thread, save_family, save_gemma3_multimodal
 
 from radixflow.kernels import CPU_OPS, REFERENCE_OPS
 from radixflow.runtime import Engine
@@ -191,3 +191,23 @@ def test_phi3_longrope_past_original_window(checkpoints, engines):
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     got = engines["phi3"].generate(input_ids=ids, sampling_params=params)["output_ids"]
     assert got == want
+
+
+def test_gemma3_image_text_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model is served
+    (its names renamed, the vision tower's weights skipped) with transformers' logits."""
+    path, hf_model = save_gemma3_multimodal(tmp_path)
+    with one_thread():
+        model = load_model(path, ServerConfig(), torch.device("cpu"), torch.float32)
+        ids = _ids(40, 36)
+        n = len(ids)
+        cfg = model.config
+        k = torch.zeros(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim)
+        batch = ForwardBatch(
+            _t(ids), _t(list(range(n))), _t(list(range(1, n + 1))), n, _t([0, n]), _t([0, 0]),
+            _t([]), _t([0]), _t([]), _t(list(range(n))),
+        )  # fmt: skip
+        logits = model(batch, k, torch.zeros_like(k))
+        with torch.no_grad():
+            want = hf_model(input_ids=torch.tensor([ids])).logits[0]
+    assert (logits - want).abs().max().item() < TOLERANCE

@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",  # its text model; the vision tower is skipped
 }
 # model_type (config.json) -> architecture, for configs that name no architecture
 MODEL_TYPES = {
@@ -29,6 +30,7 @@ MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 

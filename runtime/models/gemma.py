@@ -55,4 +55,25 @@ class _Rope:
         return getattr(self._hf, name)
 
 
-CONFIGS = {"Gemma2ForCausalLM": gemma2, "Gemma3ForCausalLM": gemma3}
+def gemma3_multimodal(hf: Any, arch: str) -> ModelConfig:
+    """The text model of a Gemma 3 image-text checkpoint (4B and up ship only these): the
+    vision tower and projector weights are skipped; images are not supported."""
+    config = gemma3(hf.text_config, arch)
+    renamed = (("language_model.model.", "model."), ("model.language_model.", "model."))
+    renamed += (("language_model.lm_head.", "lm_head."),)
+    skipped = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+    skipped += ("model.multi_modal_projector.",)
+    fields = {**config.__dict__, "renamed_prefixes": renamed, "skipped_prefixes": skipped}
+    # transformers' image-text Gemma 3 does not soft-cap the final logits (null in every
+    # released config anyway); the checkpoint's own flag, not its text config's, ties lm_head
+    fields["final_logit_cap"] = 0.0
+    tied = getattr(hf, "tie_word_embeddings", None)
+    fields["tie_word_embeddings"] = config.tie_word_embeddings if tied is None else bool(tied)
+    return ModelConfig(**fields)
+
+
+CONFIGS = {
+    "Gemma2ForCausalLM": gemma2,
+    "Gemma3ForCausalLM": gemma3,
+    "Gemma3ForConditionalGeneration": gemma3_multimodal,
+}

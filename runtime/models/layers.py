@@ -66,6 +66,10 @@ class ModelConfig:
     # (rope_theta, rope_scaling) of sliding-window layers when they differ (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     architecture: str = "LlamaForCausalLM"
+    # checkpoint name prefixes: {saved prefix: ours} renamed, and prefixes of weights of
+    # another modality the text model does not use (skipped, and logged)
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    skipped_prefixes: tuple[str, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -380,4 +384,5 @@ class CausalLM(nn.Module):
         """Load Hugging Face weights (fusing q/k/v and gate/up when stored apart, as most
         families do; Phi-3 stores them fused). Raises ValueError naming missing, unexpected
         or misshapen weights: nothing is silently ignored."""
-        load_weights(self, state)
+        c = self.config
+        load_weights(self, state, c.renamed_prefixes, c.skipped_prefixes)

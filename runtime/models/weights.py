@@ -7,8 +7,12 @@ listed in `IGNORED_SUFFIXES` (buffers some old checkpoints saved, not weights).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 SHOWN = 8  # names listed in an error
@@ -16,6 +20,22 @@ SHOWN = 8  # names listed in an error
 
 class CheckpointError(ValueError):
     """The checkpoint's tensors do not match the model its config describes."""
+
+
+def _rename(
+    state: dict[str, torch.Tensor], renamed: tuple[tuple[str, str], ...], skipped: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        for saved, ours in renamed:
+            if name.startswith(saved):
+                name = ours + name.removeprefix(saved)
+                break
+        if not name.startswith(skipped):
+            out[name] = value
+    if len(out) < len(state):
+        log.info("skipped %d weights under %s (text model only)", len(state) - len(out), skipped)
+    return out
 
 
 def _sources(name: str) -> list[list[str]]:
@@ -53,8 +73,17 @@ def _sources(name: str) -> list[list[str]]:
     raise AssertionError(f"no checkpoint name for parameter {name}")
 
 
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` (Hugging Face names) into `model`'s parameters, in place."""
+def load_weights(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    renamed: tuple[tuple[str, str], ...] = (),
+    skipped: tuple[str, ...] = (),
+) -> None:
+    """Copy `state` (Hugging Face names) into `model`'s parameters, in place. `renamed`
+    (saved prefix, ours) pairs rename first; names starting with a `skipped` prefix (another
+    modality's tower) are left out and counted in the log."""
+    if renamed or skipped:
+        state = _rename(state, renamed, skipped)
     used: set[str] = {k for k in state if k.endswith(IGNORED_SUFFIXES)}
     missing: list[str] = []
     for name, param in model.named_parameters():
