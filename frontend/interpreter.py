@@ -356,8 +356,8 @@ class StreamExecutor:
         return child
 
     def join(self, children: list[StreamExecutor], mode: str) -> None:
-        """Wait for the branches; gather their new variables into lists (or append their new
-        text). A failed branch fails this stream. Raises ValueError for an unknown mode."""
+        """Wait for the branches; gather their new variables (and their meta info) into lists,
+        or append their new text. A failed branch fails this stream. Raises ValueError for an unknown mode."""
         if mode not in JOIN_MODES:
             raise ValueError(f"unknown join mode {mode!r}; use one of {JOIN_MODES}")
         for child in children:
@@ -373,12 +373,14 @@ class StreamExecutor:
             self.submit("".join(c.text[c.fork_pos :] for c in children))
         else:
             gathered: dict[str, list[Any]] = {}
+            metas: dict[str, list[Any]] = {}
             for child in children:
                 for key, value in child.variables.items():
                     if key is not None and key not in child.fork_vars:
                         gathered.setdefault(key, []).append(value)
+                        metas.setdefault(key, []).append(child.meta_info.get(key, {}))
             for key, values in gathered.items():
-                self.set_var(key, values)
+                self.set_var(key, values, metas[key])
 
     # -- streaming reads -----------------------------------------------------------------
     def iter_pieces(self, var: str | None) -> Iterator[Piece]:

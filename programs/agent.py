@@ -10,6 +10,7 @@ choice, then decides in Python whether to call the tool or to finish.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import radixflow as sgl
@@ -50,7 +51,9 @@ def calculator(expression: str) -> int:
 
 
 @sgl.function
-def agent(s: Any, task: str, max_steps: int = 3) -> list[dict[str, Any]]:
+def agent(
+    s: Any, task: str, max_steps: int = 3, tool: Callable[[str], int] = calculator
+) -> list[dict[str, Any]]:
     trace = []
     s += PROMPT + f"Task: {task}\n"
     for k in range(max_steps):
@@ -60,17 +63,20 @@ def agent(s: Any, task: str, max_steps: int = 3) -> list[dict[str, Any]]:
             break
         s += "Input: " + sgl.gen(f"input_{k}", max_tokens=16, regex=EXPRESSION) + "\n"
         expression = s[f"input_{k}"]
-        result = calculator(expression)
+        result = tool(expression)
         trace.append({"action": "calculator", "input": expression, "observation": result})
         s += f"Observation: {result}\n"
     s += "Answer:" + sgl.gen("answer", max_tokens=8, stop="\n")
     return trace
 
 
-def main(backend: Any, tasks: list[str] | None = None) -> list[dict[str, Any]]:
+def main(
+    backend: Any, tasks: list[str] | None = None, tool: Callable[[str], int] = calculator
+) -> list[dict[str, Any]]:
     """Run the agent on each task (in parallel); the trace of actions and the answer."""
     tasks = tasks or TASKS
-    states = agent.run_batch([{"task": t} for t in tasks], backend=backend, temperature=0)
+    args = [{"task": t, "tool": tool} for t in tasks]
+    states = agent.run_batch(args, backend=backend, temperature=0)
     return [
         {"task": t, "trace": state.ret_value, "answer": state["answer"].strip()}
         for t, state in zip(tasks, states)

@@ -11,6 +11,13 @@ from typing import Any
 
 # Whole batches share two CPU cores: one request can wait minutes behind the others.
 REQUEST_TIMEOUT_S = 600.0
+COUNTERS = ("prompt_tokens", "cached_tokens", "prefill_tokens_computed", "forward_steps")
+
+
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """What the server counted between two `get_server_info` reads (one program's run, when
+    nothing else runs): prompt and cached tokens, prefill tokens computed, forward steps."""
+    return {name: after[name] - before.get(name, 0) for name in COUNTERS}  # {} before any stats
 
 
 def connect(address: str | None, **config: Any) -> tuple[Any, Callable[[], None]]:

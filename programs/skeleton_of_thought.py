@@ -29,12 +29,32 @@ def skeleton_of_thought(s: Any, question: str, num_points: int = 3, max_tokens: 
     branches.join()
 
 
-def main(backend: Any, question: str = QUESTION, num_points: int = 3) -> dict[str, Any]:
-    state = skeleton_of_thought.run(question, num_points, backend=backend, temperature=0)
+def main(
+    backend: Any, question: str = QUESTION, num_points: int = 3, max_tokens: int = 16
+) -> dict[str, Any]:
+    """The outline and its expansions, with what the server did for them: the text shared
+    by the branches, each branch's token counts, and the server's counters for the run."""
+    from common import counter_deltas
+
+    before = sgl.get_server_info(backend)
+    state = skeleton_of_thought.run(
+        question, num_points, max_tokens, backend=backend, temperature=0
+    )
     points = [state[f"point_{i}"].strip() for i in range(num_points)]
     expansions = [e.strip() for e in state["expansion"]]
     answer = "\n".join(f"{i + 1}. {p} {e}" for i, (p, e) in enumerate(zip(points, expansions)))
-    return {"points": points, "expansions": expansions, "answer": answer}
+    keys = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    return {
+        "points": points,
+        "expansions": expansions,
+        "answer": answer,
+        "shared_prompt": state.text(),  # gather_variable leaves the text at the fork
+        "outline_tokens": [
+            state.get_meta_info(f"point_{i}")["completion_tokens"] for i in range(num_points)
+        ],
+        "branches": [{k: m[k] for k in keys} for m in state.get_meta_info("expansion")],
+        "server": counter_deltas(before, sgl.get_server_info(backend)),
+    }
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

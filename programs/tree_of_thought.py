@@ -49,13 +49,25 @@ def best_path(verdicts: list[list[str]]) -> tuple[int, int]:
 def main(
     backend: Any, question: str = QUESTION, width: int = 2, max_tokens: int = 12
 ) -> dict[str, Any]:
+    """The tree's texts and verdicts, the best path, and for every branch its prompt and
+    cached token counts (approaches: a list; steps: a list per approach)."""
+    from common import counter_deltas
+
+    before = sgl.get_server_info(backend)
     state = tree_of_thought.run(question, width, max_tokens, backend=backend, temperature=0)
     i, j = best_path(state["verdict"])
+    keys = ("prompt_tokens", "cached_tokens", "completion_tokens")
     return {
         "approaches": state["approach"],
         "steps": state["step"],
         "verdicts": state["verdict"],
         "best": {"approach": state["approach"][i], "step": state["step"][i][j]},
+        "root_prompt": state.text(),
+        "approach_tokens": [{k: m[k] for k in keys} for m in state.get_meta_info("approach")],
+        "step_tokens": [
+            [{k: m[k] for k in keys} for m in row] for row in state.get_meta_info("step")
+        ],
+        "server": counter_deltas(before, sgl.get_server_info(backend)),
     }
 
 
