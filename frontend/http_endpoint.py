@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -194,26 +195,24 @@ class HttpEndpointMethods:
         so cache_aware routes each by its text): prefill the prefix to learn its length P,
         then read each `prefix + continuation`'s input logprobs from position P. Equal to
         /radixflow/score when the prefix's tokens do not merge with the continuation's."""
-        prefill = {"max_new_tokens": 0}
         num_prefix = self.cache_prefix(prefix)["prompt_tokens"]
-        choices = []
-        for continuation in continuations:
-            full = self._input_logprobs(prefix + continuation, num_prefix, prefill)
-            alone = self._input_logprobs(continuation, 0, prefill) if unconditional else None
-            choices.append(
-                {
-                    "text": continuation,
-                    "token_ids": [e[1] for e in full],
-                    "logprobs": [0.0 if e[0] is None else e[0] for e in full],
-                    "unconditional_logprobs": None
-                    if alone is None
-                    else [0.0 if e[0] is None else e[0] for e in alone],
-                }
-            )
-        return choices
+        asks = [(prefix + c, num_prefix) for c in continuations]
+        asks += [(c, 0) for c in continuations] if unconditional else []
+        with ThreadPoolExecutor(len(asks)) as pool:  # together: one step on the server
+            entries = list(pool.map(lambda ask: self._input_logprobs(*ask), asks))
+        num = len(continuations)
+        return [
+            {
+                "text": continuation,
+                "token_ids": [e[1] for e in entries[i]],
+                "logprobs": _values(entries[i]),
+                "unconditional_logprobs": _values(entries[num + i]) if unconditional else None,
+            }
+            for i, continuation in enumerate(continuations)
+        ]
 
-    def _input_logprobs(self, text: str, start: int, params: dict[str, Any]) -> list[Any]:
-        body = _generate_body(text, params, None, True, start, 0, None)
+    def _input_logprobs(self, text: str, start: int) -> list[Any]:
+        body = _generate_body(text, {"max_new_tokens": 0}, None, True, start, 0, None)
         return self.http.json("POST", "/generate", body)["meta_info"]["input_token_logprobs"]
 
     def cache_prefix(self, text: str) -> dict[str, Any]:
@@ -258,6 +257,11 @@ class HttpEndpointMethods:
 
     def close(self) -> None:
         self.http.close()
+
+
+def _values(entries: list[Any]) -> list[float]:
+    """The logprobs of [logprob, id, text] entries; a token without context counts 0.0."""
+    return [0.0 if e[0] is None else e[0] for e in entries]
 
 
 def _generate_body(

@@ -123,12 +123,13 @@ def test_the_api_key_is_required_at_the_router_and_passed_to_replicas(cluster: A
 
 
 def serve_pids(supervisor_pid: int) -> dict[str, int]:
-    """Replica server pids by their URL (their `--port`)."""
+    """Replica server pids by the ports they listen on (HTTP and ZeroMQ)."""
     out = {}
     for child in psutil.Process(supervisor_pid).children():
-        cmd = child.cmdline()
-        if "serve" in cmd and "--port" in cmd:
-            out[cmd[cmd.index("--port") + 1]] = child.pid
+        if "serve" in child.cmdline():
+            for conn in child.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    out[str(conn.laddr.port)] = child.pid
     return out
 
 
@@ -140,6 +141,13 @@ def wait_for(check: Any, timeout: float, what: str) -> Any:
             return value
         time.sleep(1.0)
     raise AssertionError(f"{what}: not within {timeout:.0f}s")
+
+
+def ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def healthy(router_url: str) -> int:
@@ -192,8 +200,10 @@ def test_a_killed_replica_loses_no_client_and_rejoins(cluster: Any) -> None:
     assert all(status == 200 or (status >= 400 and text) for status, text in answers), answers
     assert sum(status == 200 for status, _ in answers) >= 12, answers
     # the supervisor restarts it on its port; the router's health checks take it back
-    wait_for(lambda: healthy(cluster.url) == 2, 400, "the restarted replica healthy again")
-    assert serve_pids(cluster.process.pid)[victim.rsplit(":", 1)[1]] != ports[victim]
+    port = victim.rsplit(":", 1)[1]
+    restarted = lambda: serve_pids(cluster.process.pid).get(port, ports[port]) != ports[port]
+    wait_for(restarted, 400, "a new replica process on the killed one's port")
+    wait_for(lambda: ok(victim) and healthy(cluster.url) == 2, 400, "the replica healthy again")
 
     def victim_serves() -> bool:
         for i in range(4):
