@@ -5,6 +5,7 @@ soft-caps attention scores; Gemma 3 adds q/k norms and its own rope for local la
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from radixflow.runtime.models import UnsupportedModelError
@@ -38,21 +39,11 @@ def gemma3(hf: Any, arch: str) -> ModelConfig:
     rope = hf.rope_parameters
     local_theta, local_scaling, _ = split_rope(rope.get("sliding_attention") or {})
     return ModelConfig.from_hf(
-        # from_hf reads rope_parameters: give it the global layers' entry
-        _Rope(hf, rope["full_attention"]),
+        hf,
         arch,
+        rope_parameters=rope["full_attention"],
         **_gemma(hf, arch, qk_norm=True, sliding_rope=(local_theta, local_scaling)),
     )
-
-
-class _Rope:
-    """`hf` with `rope_parameters` replaced by one layer kind's entry."""
-
-    def __init__(self, hf: Any, rope_parameters: dict[str, Any]) -> None:
-        self._hf, self.rope_parameters = hf, rope_parameters
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._hf, name)
 
 
 def gemma3_multimodal(hf: Any, arch: str) -> ModelConfig:
@@ -63,13 +54,16 @@ def gemma3_multimodal(hf: Any, arch: str) -> ModelConfig:
     renamed += (("language_model.lm_head.", "lm_head."),)
     skipped = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
     skipped += ("model.multi_modal_projector.",)
-    fields = {**config.__dict__, "renamed_prefixes": renamed, "skipped_prefixes": skipped}
     # transformers' image-text Gemma 3 does not soft-cap the final logits (null in every
     # released config anyway); the checkpoint's own flag, not its text config's, ties lm_head
-    fields["final_logit_cap"] = 0.0
     tied = getattr(hf, "tie_word_embeddings", None)
-    fields["tie_word_embeddings"] = config.tie_word_embeddings if tied is None else bool(tied)
-    return ModelConfig(**fields)
+    return dataclasses.replace(
+        config,
+        renamed_prefixes=renamed,
+        skipped_prefixes=skipped,
+        final_logit_cap=0.0,
+        tie_word_embeddings=config.tie_word_embeddings if tied is None else bool(tied),
+    )
 
 
 CONFIGS = {

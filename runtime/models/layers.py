@@ -75,10 +75,17 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
-    def from_hf(cls, hf: Any, architecture: str, **changes: Any) -> ModelConfig:
+    def from_hf(
+        cls,
+        hf: Any,
+        architecture: str,
+        rope_parameters: dict[str, Any] | None = None,
+        **changes: Any,
+    ) -> ModelConfig:
         """The fields every family reads the same way from a transformers config object;
-        `changes` are the family's own. Raises UnsupportedModelError on options we lack."""
-        theta, scaling, partial = split_rope(hf.rope_parameters)
+        `changes` are the family's own; `rope_parameters` replaces the config's (Gemma 3
+        keeps one entry per layer kind). Raises UnsupportedModelError on options we lack."""
+        theta, scaling, partial = split_rope(rope_parameters or hf.rope_parameters)
         heads = hf.num_attention_heads
         activation = getattr(hf, "hidden_activation", None) or hf.hidden_act
         if activation not in ACTIVATIONS:

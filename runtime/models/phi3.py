@@ -4,6 +4,7 @@ when the config sets it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from radixflow.runtime.models.layers import ModelConfig
@@ -17,7 +18,7 @@ def phi3(hf: Any, arch: str) -> ModelConfig:
     if scaling and "original_max_position_embeddings" not in scaling:  # older configs
         original = getattr(hf, "original_max_position_embeddings", None) or config.max_position
         scaling = {**scaling, "original_max_position_embeddings": original}
-        config = ModelConfig(**{**config.__dict__, "rope_scaling": scaling})
+        config = dataclasses.replace(config, rope_scaling=scaling)
     return config
 
 
