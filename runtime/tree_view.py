@@ -80,7 +80,7 @@ def _children(dump: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
 
 
 def _label(n: dict[str, Any], limit: int = 28) -> str:
-    text = n["text"].replace("\n", "\\n")
+    text = n["text"]
     return repr(text[:limit] + ("…" if len(text) > limit or n["tokens"] > LABEL_TOKENS else ""))
 
 
@@ -110,14 +110,14 @@ def render_text(dump: dict[str, Any]) -> str:
 
 
 def layout(dump: dict[str, Any]) -> dict[int, tuple[float, float]]:
-    """(x, y) per node: x = tokens from the root, leaves on consecutive rows, a parent at
-    the middle of its children."""
+    """(x, y) per node: x = depth (edges from the root), leaves on consecutive rows, a
+    parent at the middle of its children."""
     kids = _children(dump)
     pos: dict[int, tuple[float, float]] = {}
     row = [0]
 
     def place(node: dict[str, Any], depth: float) -> float:
-        x = depth + node["tokens"]
+        x = depth + (1.0 if node["parent"] >= 0 else 0.0)
         children = kids.get(node["id"], [])
         if not children:
             y = float(row[0])
@@ -142,21 +142,23 @@ def render_png(dump: dict[str, Any], path: str, title: str = "") -> None:
     pos, order = layout(dump), eviction_order(dump)
     rank = {node_id: k + 1 for k, node_id in enumerate(order)}
     leaves = sum(1 for n in dump["nodes"] if n["leaf"])
-    fig, ax = plt.subplots(figsize=(13, max(3.0, 0.32 * leaves + 1.2)))
+    depth = max((x for x, _ in pos.values()), default=1.0)
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.6 * depth + 3), max(3.0, 0.55 * leaves + 1.2)))
     for n in dump["nodes"][1:]:
         (x0, y0), (x1, y1) = pos[n["parent"]], pos[n["id"]]
         color = "tab:blue" if n["ref"] else ("tab:red" if rank.get(n["id"], 99) <= 3 else "0.55")
-        ax.plot([x0, x0, x1], [y0, y1, y1], color=color, lw=1.5 if n["leaf"] else 3.0)
+        width = 1.0 + min(4.0, n["tokens"] / 16)  # thicker: longer runs
+        ax.plot([x0, x0, x1], [y0, y1, y1], color=color, lw=width, solid_capstyle="butt")
         ax.plot([x1], [y1], "o", color=color, ms=4)
-        note = f"{_label(n, 22)} {n['tokens']}t" + (f" r{n['ref']}" if n["ref"] else "")
+        note = f"{_label(n, 20)}\n{n['tokens']} tok" + (f", ref {n['ref']}" if n["ref"] else "")
         if n["id"] in rank:
-            note += f" evict#{rank[n['id']]}"
-        ax.annotate(note, (x1, y1), xytext=(4, 2), textcoords="offset points", fontsize=7)
+            note += f", evict #{rank[n['id']]}"
+        ax.annotate(note, (x0, y1), xytext=(6, 3), textcoords="offset points", fontsize=7)
     ax.plot([0], [pos[0][1]], "ks", ms=6)
-    ax.set_xlabel("tokens from the root (shared runs are the thick trunk segments)")
+    ax.set_xlabel("depth in the tree (each edge a run of tokens; thicker = longer run)")
     ax.set_yticks([])
-    span = max(x for x, _ in pos.values()) if pos else 1
-    ax.set_xlim(-0.02 * span, span * 1.35)
+    ax.set_xlim(-0.1, depth + 0.9)
+    ax.margins(y=0.12)
     ax.invert_yaxis()
     ax.set_title(
         title
