@@ -33,6 +33,9 @@ from radixflow.bench.workloads import (
 )
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# A program's call waits as long as the work takes: on a loaded machine one few_shot round
+# takes minutes, past the endpoint's 60 s default, and the Engine rows never time out either.
+CALL_TIMEOUT_S = 3600.0
 
 
 def output(s: Any, name: str) -> dict[str, Any]:
@@ -111,6 +114,7 @@ class DslSystem:
         options = {"num_threads": threads} if threads else {}
         self.runtime = sgl.Runtime(model_path=model, **options)
         self.endpoint = self.runtime.endpoint
+        self.endpoint.timeout = CALL_TIMEOUT_S
         self.pid = self.runtime.process.pid  # its RSS counts the scheduler process too
 
     def warm_up(self) -> None:
