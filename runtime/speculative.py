@@ -35,6 +35,7 @@ only ever receives `slots[:kv_len]`, so it never holds unverified KV.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,7 +104,7 @@ class NgramTable:
             return []
         end = len(self.tokens)
         if start < self.seq_start:  # inside a closed sequence: stop at its end
-            end = self.seq_ends[int(np.searchsorted(self.seq_ends, start, side="right"))]
+            end = self.seq_ends[bisect.bisect_right(self.seq_ends, start)]
         return self.tokens[start : min(start + limit, end)]
 
 
