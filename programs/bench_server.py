@@ -8,10 +8,11 @@ prompts) and latency is per request as the client sees it: `zmq` through one sha
 RuntimeEndpoint (radixflow's ZeroMQ protocol), `http` as POST /generate and `chat` as POST
 /v1/chat/completions (the prompt as one user message, so the chat template adds its system
 prompt: longer prompts than the other doors) through one shared httpx client. The radix cache
-is flushed before each door, so none finds another's prompts cached. Engine: the same requests
-in one `generate` list call; its latency is each request's e2e_latency (arrival in the
-scheduler to finish). The server is shut down before the Engine loads, so the two never share
-the CPU.
+is flushed before each door's turn, so none finds another's prompts cached; the doors take
+turns (`--rounds` slices of the prompts each), so drifting background load weighs on all.
+Engine: the same requests in one `generate` list call; its latency is each request's
+e2e_latency (arrival in the scheduler to finish). The server is shut down before the Engine
+loads, so the two never share the CPU.
 """
 
 from __future__ import annotations
@@ -89,37 +90,52 @@ def door_call(door: str, runtime: Runtime, http: httpx.Client, params: dict) -> 
 
 
 def bench_server(
-    prompts: list[str], params: dict, threads: int, config: dict, doors: list[str]
+    prompts: list[str], params: dict, threads: int, config: dict, doors: list[str], rounds: int
 ) -> tuple[list[dict[str, Any]], list[Any]]:
-    rows, zmq_ids = [], []
+    """The doors take turns, `rounds` slices of the prompts each, so a machine whose
+    background load drifts during the run weighs on every door alike."""
     limits = httpx.Limits(max_connections=threads, max_keepalive_connections=threads)
+    walls = {d: 0.0 for d in doors}
+    results: dict[str, list[tuple[float, Any, int]]] = {d: [] for d in doors}
+    steps = {d: 0 for d in doors}
+    size = -(-len(prompts) // rounds)
     with (
         Runtime(log_level="warning", **config) as runtime,
         httpx.Client(base_url=runtime.url, timeout=600, limits=limits) as http,
     ):
-        for door in doors:
-            call = door_call(door, runtime, http, params)
+        calls = {d: door_call(d, runtime, http, params) for d in doors}
+        for call in calls.values():
             call("warm up")
-            runtime.endpoint.flush_cache()
+        for first in range(0, len(prompts), size):
+            for door in doors:
+                runtime.endpoint.flush_cache()  # no door finds another's prompts cached
 
-            def one(prompt: str, call: Any = call) -> tuple[float, Any, int]:
+                def one(prompt: str, call: Any = calls[door]) -> tuple[float, Any, int]:
+                    start = time.perf_counter()
+                    out, tokens = call(prompt)
+                    return time.perf_counter() - start, out, tokens
+
+                before = runtime.endpoint.stats()["forward_steps"]
                 start = time.perf_counter()
-                out, tokens = call(prompt)
-                return time.perf_counter() - start, out, tokens
-
-            steps = runtime.endpoint.stats()["forward_steps"]
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                results = list(pool.map(one, prompts))
-            wall = time.perf_counter() - start
-            tokens = sum(t for _, _, t in results)
-            row = summarize(
-                f"server {door} ({threads} clients)", wall, [r[0] for r in results], tokens
+                with ThreadPoolExecutor(threads) as pool:
+                    results[door] += pool.map(one, prompts[first : first + size])
+                walls[door] += time.perf_counter() - start
+                steps[door] += runtime.endpoint.stats()["forward_steps"] - before
+            done = min(first + size, len(prompts))
+            so_far = "  ".join(
+                f"{d} {len(results[d]) / walls[d]:.2f} req/s p50 "
+                f"{statistics.median(r[0] for r in results[d]):.2f}s"
+                for d in doors
             )
-            row["forward_steps"] = runtime.endpoint.stats()["forward_steps"] - steps
-            rows.append(row)
-            if door == "zmq":
-                zmq_ids = [out for _, out, _ in results]
+            print(f"after {done} requests per door: {so_far}", file=sys.stderr, flush=True)
+    rows = []
+    for door in doors:
+        latencies = [r[0] for r in results[door]]
+        tokens = sum(r[2] for r in results[door])
+        row = summarize(f"server {door} ({threads} clients)", walls[door], latencies, tokens)
+        row["forward_steps"] = steps[door]
+        rows.append(row)
+    zmq_ids = [out for _, out, _ in results.get("zmq", [])]
     return rows, zmq_ids
 
 
@@ -149,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "--num-threads", type=int, default=1, help="torch threads (0 = torch's default)"
     )
     parser.add_argument("--doors", default="zmq,http,chat", help="comma-separated: zmq,http,chat")
+    parser.add_argument("--rounds", type=int, default=10, help="turns the doors take")
     parser.add_argument("--no-engine", action="store_true", help="skip the offline Engine row")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"max_total_tokens": args.max_total_tokens, "num_threads": args.num_threads}
     load_before = os.getloadavg()[0]
     doors = args.doors.split(",")
-    rows, server_ids = bench_server(prompts, params, args.threads, config, doors)
+    rows, server_ids = bench_server(prompts, params, args.threads, config, doors, args.rounds)
     same = None
     if not args.no_engine:
         engine_row, engine_ids = bench_engine(prompts, params, {"model": "smollm2", **config})
