@@ -109,6 +109,31 @@ def render_text(dump: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def collapse(dump: dict[str, Any]) -> dict[str, Any]:
+    """The dump with every chain of single-child nodes drawn as one run (for the picture):
+    tokens summed, the text from its start, the ref of its first (largest) node, the id of
+    its last (eviction takes leaves)."""
+    kids = _children(dump)
+    nodes: list[dict[str, Any]] = [dict(dump["nodes"][0])]
+
+    def walk(node: dict[str, Any], parent: int) -> None:
+        first, tokens, text = node, node["tokens"], node["text"]
+        while len(kids.get(node["id"], [])) == 1 and len(text) < 40:
+            node = kids[node["id"]][0]
+            tokens, text = tokens + node["tokens"], text + node["text"]
+        while len(kids.get(node["id"], [])) == 1:
+            node = kids[node["id"]][0]
+            tokens += node["tokens"]
+        run = {"parent": parent, "tokens": tokens, "text": text, "ref": first["ref"]}
+        nodes.append({**node, **run})
+        for child in kids.get(node["id"], []):
+            walk(child, node["id"])
+
+    for child in kids.get(0, []):
+        walk(child, 0)
+    return {**dump, "nodes": nodes}
+
+
 def layout(dump: dict[str, Any]) -> dict[int, tuple[float, float]]:
     """(x, y) per node: x = depth (edges from the root), leaves on consecutive rows, a
     parent at the middle of its children."""
@@ -139,7 +164,10 @@ def render_png(dump: dict[str, Any], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    pos, order = layout(dump), eviction_order(dump)
+    order = eviction_order(dump)  # ranks of the real leaves; chains end on them
+    dump = collapse(dump)
+
+    pos = layout(dump)
     rank = {node_id: k + 1 for k, node_id in enumerate(order)}
     leaves = sum(1 for n in dump["nodes"] if n["leaf"])
     depth = max((x for x, _ in pos.values()), default=1.0)
