@@ -8,9 +8,9 @@ KV tokens the decodes read, and prefill attention pairs (query x key). Two kinds
   t = overhead + per_extend_token*E + per_decode_row*D + per_kv_token*K + per_pair*P.
 * `RooflineProfile` - a named device/model pair from first principles, for planning
   hardware you do not have. t = overhead + max(bytes moved / bandwidth, decode FLOPs /
-  peak + prefill FLOPs / (peak * MFU)): one weight read serves every row. Bytes moved: the weights once per step plus every
-  KV token the decodes read; FLOPs: 2 * params per token plus attention (4 * layers *
-  heads * head dim per query-key pair).
+  peak + prefill FLOPs / (peak * MFU)): one weight read serves every row of a step. Bytes
+  moved: the weights once per step plus every KV token the decodes read; FLOPs: 2 * params
+  per token plus attention (4 * layers * heads * head dim per query-key pair).
 
 PROFILES["h100-llama-3.3-70b-fp8"] - assumptions (the seed material's own table was not
 available to us, so this is built from public specifications, not fitted to it):
