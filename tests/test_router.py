@@ -43,7 +43,12 @@ OPTIONS = {"max_total_tokens": 4096, "log_level": "warning"}
 @pytest.fixture(scope="module")
 def cluster() -> Any:
     runtime = sgl.Runtime(
-        model_path="smollm2", dp_size=2, threads_per_replica=1, api_key=KEY, **OPTIONS
+        model_path="smollm2",
+        dp_size=2,
+        threads_per_replica=1,
+        api_key=KEY,
+        launch_timeout=900.0,  # two model loads on a shared 2-core machine
+        **OPTIONS,
     )
     yield runtime
     runtime.shutdown()
