@@ -173,7 +173,7 @@ def report(rows: list[dict[str, Any]]) -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
     for row in rows:
         base = single.get(row["workload"])
-        same = "" if base is None else (" (= 1 replica)" if base is row else "")
+        same = " (reference)" if base is row else ""
         if base is not None and base is not row:
             same = " (= 1 replica)" if row["output_digest"] == base["output_digest"] else " (!=)"
         print(format_row(row).rstrip(" |") + same + " |")
