@@ -51,9 +51,9 @@ if TYPE_CHECKING:
 
 ORDERS = (4, 3, 2)  # n-gram lengths matched, longest first
 TREE_TABLE_CAPACITY = 1 << 20  # tokens kept for tree drafts; cleared when full
-# Forward time of one extra draft row relative to a one-row decode step (batch 1, SmolLM2
-# 135M fp32 on 2 CPU cores, measured by programs/bench_speculative.py): large enough that
-# junk drafts cost, small enough that a 50% acceptance pays.
+# Forward time of one extra draft row relative to a one-row decode step. A rough estimate
+# (SmolLM2 135M fp32, 2 shared CPU cores: an 8-row extend took about 1.3x a one-row decode,
+# i.e. ~0.04 a row), rounded up so that junk drafts do not pay; re-measure on a quiet machine.
 ROW_COST = 0.08
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 0.5
 DECAY = 0.85  # weight of history in the acceptance estimate, per verify step

@@ -1,0 +1,146 @@
+"""Speculative decoding off vs on, side by side in one run (issue 18).
+
+    python programs/bench_speculative.py                 # single stream and batch 16
+    python programs/bench_speculative.py --programs 2    # fewer programs per workload
+
+Workloads: json_decode, agent and multi_turn from radixflow.bench.workloads (their first
+N programs, greedy, EOS ignored, the same token counts for both) and a plain chat. Single
+stream runs every call alone, one after another; batch 16 runs each round's calls 16 at a
+time. Driven through the Engine's public API (radixflow.bench.engine.RadixflowSystem). With
+BENCH_LLAMA_CPP_PYTHON set (a venv's python with llama-cpp-python), llama.cpp's single-stream
+decode speed on the same GGUF is measured too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+from radixflow.bench import workloads
+from radixflow.bench.engine import RadixflowSystem
+from radixflow.bench.workloads import Call, Codec
+from radixflow.runtime import Engine
+from radixflow.runtime.loader import builtin_gguf
+
+CHATS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe your favourite city and why.",
+    "List the planets of the solar system with one fact each.",
+    "Write a poem about autumn leaves.",
+    "Explain what a compiler does.",
+    "Describe a day at the beach.",
+    "Give advice to a new programmer.",
+]
+
+
+def chat_rounds(codec: Codec, num: int, new: int) -> Any:
+    yield [
+        Call(tuple(codec.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")), new)
+        for t in (CHATS * 4)[:num]
+    ]
+
+
+def rounds_of(name: str, codec: Codec, num: int) -> Any:
+    if name == "chat":
+        return chat_rounds(codec, num, 96)
+    return getattr(workloads, name)(codec, quick=False).rounds
+
+
+def run(system: RadixflowSystem, name: str, codec: Codec, num: int, width: int) -> dict:
+    """Drive the workload's first `num` programs, `width` calls at a time; wall and tokens."""
+    system.start_workload()
+    gen = rounds_of(name, codec, num)
+    calls = next(gen)[:num]
+    tokens, start = 0, time.perf_counter()
+    while True:
+        outputs: list[Any] = []
+        for i in range(0, len(calls), width):
+            outputs += system.run_round(calls[i : i + width]).outputs
+        tokens += sum(len(o) for c, o in zip(calls, outputs) if not c.options)
+        try:
+            calls = gen.send(outputs)[:num]
+        except StopIteration:
+            break
+    return {"tokens": tokens, "wall": time.perf_counter() - start}
+
+
+def llama_cpp_single_stream(model_path: str) -> float | None:
+    """llama.cpp's greedy decode tokens/s for one stream (128 new tokens, 2 threads)."""
+    python = os.environ.get("BENCH_LLAMA_CPP_PYTHON")
+    if not python:
+        return None
+    code = (
+        "import sys, time, llama_cpp\n"
+        "m = llama_cpp.Llama(sys.argv[1], n_ctx=2048, n_threads=2, verbose=False)\n"
+        "p = m.tokenize(b'<|im_start|>user\\nWrite a short story about a lighthouse keeper.'"
+        " b'<|im_end|>\\n<|im_start|>assistant\\n')\n"
+        "m.eval(p); t = time.perf_counter(); n = 0\n"
+        "for tok in m.generate(p, temp=0.0, reset=True):\n"
+        "    n += 1\n"
+        "    if n == 1: t = time.perf_counter()\n"
+        "    if n == 129: break\n"
+        "print((n - 1) / (time.perf_counter() - t))\n"
+    )
+    out = subprocess.run([python, "-c", code, model_path], capture_output=True, text=True)
+    return float(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--programs", type=int, default=4, help="programs per workload, single")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--workloads", default="json_decode,agent,multi_turn,chat")
+    parser.add_argument("--json", default="", help="write the rows here too")
+    args = parser.parse_args()
+    engine = Engine(model="smollm2", max_total_tokens=32768)
+    tok = engine.tokenizer
+    codec = Codec(
+        lambda s: tok.encode(s, add_special_tokens=False),
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
+    systems = {
+        "off": RadixflowSystem("off", engine, owned=False),
+        "on": RadixflowSystem("on", engine.with_config(speculative_algorithm="ngram"), owned=True),
+    }
+    for system in systems.values():  # warm-up
+        system.run_round([Call(tuple(codec.encode("Hello there")), 8)])
+    rows = []
+    for name in args.workloads.split(","):
+        for mode, num, width in (("single", args.programs, 1), ("batch", args.batch, args.batch)):
+            row: dict[str, Any] = {"workload": name, "mode": f"{mode} x{width}"}
+            for label, system in systems.items():
+                before = system.engine.stats()
+                got = run(system, name, codec, num, width)
+                after = system.engine.stats()
+                row[f"{label}_tok_s"] = got["tokens"] / got["wall"]
+                if label == "on":
+                    proposed = after["spec_proposed"] - before["spec_proposed"]
+                    accepted = after["spec_accepted"] - before["spec_accepted"]
+                    row["acceptance"] = accepted / proposed if proposed else 0.0
+                    row["proposed"], row["accepted"] = proposed, accepted
+            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    llama = llama_cpp_single_stream(str(builtin_gguf("smollm2")))
+    print(f"\nload average {os.getloadavg()[0]:.1f}; llama.cpp single stream: {llama or 'n/a'}")
+    print("| workload | mode | off tok/s | on tok/s | on/off | acceptance (acc/proposed) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['workload']} | {r['mode']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['acceptance']:.2f} ({r['accepted']}/{r['proposed']}) |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "llama_cpp_single_tok_s": llama}, f, indent=1)
+    systems["on"].close()
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
