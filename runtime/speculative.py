@@ -176,11 +176,11 @@ class Speculator:
             drafts = self._draft(req, limit) if limit > 0 else []
             if drafts and req.grammar is not None:
                 drafts = self._check_grammar(req, drafts)
-            while drafts and _new_pages(req.kv_len, 1 + len(drafts), page_size) > spare_pages:
+            while drafts and _extra_pages(req.kv_len, len(drafts), page_size) > spare_pages:
                 drafts.pop()
             if not drafts:
                 continue
-            spare_pages -= _new_pages(req.kv_len, 1 + len(drafts), page_size)
+            spare_pages -= _extra_pages(req.kv_len, len(drafts), page_size)
             req.draft_ids = drafts
             req.spec.kv_before, req.spec.pages_before = req.kv_len, len(req.own_pages)
             if req.spec.masks is not None:
@@ -318,9 +318,10 @@ class Speculator:
         }
 
 
-def _new_pages(kv_len: int, count: int, page_size: int) -> int:
-    """Pages a request at kv_len allocates for `count` more positions."""
-    return -(-(kv_len + count) // page_size) - -(-kv_len // page_size)
+def _extra_pages(kv_len: int, num_drafts: int, page_size: int) -> int:
+    """Pages `num_drafts` drafts take beyond the decode's own (already reserved) page."""
+    pages = lambda count: -(-(kv_len + count) // page_size) - -(-kv_len // page_size)
+    return pages(1 + num_drafts) - pages(1)
 
 
 def _free_rejected_pages(req: Req, pool: KVPool) -> None:
