@@ -47,9 +47,15 @@ def reference_outputs(make_engine):
 def test_greedy_outputs_identical(make_engine, reference_outputs, name):
     prompts, expected = reference_outputs
     eng = make_engine(**CONFIGS[name])
-    # half up front, half while the first half decodes
-    got = eng.generate(prompts, PARAMS)
-    assert [o["output_ids"] for o in got] == expected
+    half = len(prompts) // 2
+    first = eng.submit(prompts[:half], PARAMS)
+    while not all(r.num_output_tokens >= 2 for r in first):  # the first half is decoding
+        assert eng.step(), "the first half finished before it decoded twice"
+    assert not any(r.finished for r in first)
+    second = eng.submit(prompts[half:], PARAMS)  # the second half arrives mid-decode
+    while eng.step():
+        pass
+    assert [r.result()["output_ids"] for r in first + second] == expected
     stats = eng.stats()
     if name == "preempt":
         assert stats["preemptions"] > 0
