@@ -44,8 +44,9 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, float]:
     params = config["num_hidden_layers"] * sum(a * b for a, b in shapes) + head.numel()
     return {
         "roofline_batch": batch,
-        "fp32_matmul_gflops": round(2 * params * batch / best / 1e9, 1),
-        "roofline_tokens_per_s": round(batch / best, 1),
+        # three significant digits: a tiny model on a busy CPU must not round to 0 GFLOP/s
+        "fp32_matmul_gflops": float(f"{2 * params * batch / best / 1e9:.3g}"),
+        "roofline_tokens_per_s": float(f"{batch / best:.3g}"),
     }
 
 
