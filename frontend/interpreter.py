@@ -357,7 +357,8 @@ class StreamExecutor:
 
     def join(self, children: list[StreamExecutor], mode: str) -> None:
         """Wait for the branches; gather their new variables (and their meta info) into lists,
-        or append their new text. A failed branch fails this stream. Raises ValueError for an unknown mode."""
+        or append their new text. A failed branch fails this stream. Raises ValueError for an
+        unknown mode."""
         if mode not in JOIN_MODES:
             raise ValueError(f"unknown join mode {mode!r}; use one of {JOIN_MODES}")
         for child in children:
