@@ -290,7 +290,7 @@ class Server:
         if self.tokenizer is None:
             from radixflow.runtime.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(msg.model_info["model_path"])
+            self.tokenizer = load_tokenizer(msg.model_info["model_path"], self.config.chat_template)
         self.model_info = msg.model_info
         self.status, self.failed_starts = "ok", 0
         log.info("scheduler %d ready (model loaded in %.1fs)", msg.pid, msg.load_seconds)
