@@ -114,3 +114,14 @@ class Metrics:
         ):
             lines.append(f'{p}kv_slots{{state="{state}"}} {value}')
         return ("\n".join(lines) + "\n").encode()
+
+
+def load_summary(stats: dict[str, Any], in_flight: int, tokens_per_s: float) -> str:
+    """The server's periodic load log line, from the scheduler's stats."""
+    total = stats.get("total_slots", 0) or 1
+    used = total - stats.get("free_slots", total)
+    return (
+        f"running={stats.get('running_requests')} waiting={stats.get('waiting_requests')} "
+        f"in_flight={in_flight} kv_used={used}/{total} ({100 * used / total:.0f}%, cache "
+        f"included) hit={100 * stats.get('cache_hit_rate', 0.0):.0f}% gen={tokens_per_s:.1f} tok/s"
+    )

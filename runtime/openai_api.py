@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixflow.runtime.http_api import (
+from radixflow.runtime.http_request import (
     HttpError,
     check_fields,
     clean_sampling,

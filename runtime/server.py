@@ -9,9 +9,7 @@ health and stats never wait on the model. The scheduler runs in its own process
 (runtime/scheduler_loop.py); if it dies, every request in flight gets an error, the server
 reports unhealthy and starts a new one. The protocol is in `runtime/messages.py`.
 
-Requests are validated once, here: sampling parameters into a frozen SamplingParams that
-travels typed to the scheduler, prompts against `RequestLimits` (the one length/vocabulary
-check, shared with the offline Engine).
+Requests are validated once, here, into typed messages (SamplingParams, RequestLimits).
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from radixflow.runtime.messages import (
     Shutdown,
     Stats,
 )
-from radixflow.runtime.metrics import Metrics
+from radixflow.runtime.metrics import Metrics, load_summary
 from radixflow.runtime.request import RequestLimits
 from radixflow.runtime.sampling import SamplingParams
 from radixflow.runtime.transport import (
@@ -563,32 +561,14 @@ class Server:
     def _housekeeping(self) -> None:
         self._check_scheduler()
         self.zmq.check_clients()
-        self._log_load()
-
-    def _log_load(self) -> None:
         now = time.monotonic()
         since, decoded_before = self.last_log
-        if now - since < self.config.log_interval_s:
-            return
-        stats = self.scheduler_stats
-        decoded = stats.get("decode_tokens", 0)
-        self.last_log = (now, decoded)
-        if not self.jobs and not stats.get("running_requests"):
-            return
-        total = stats.get("total_slots", 0) or 1
-        used = total - stats.get("free_slots", total)
-        log.info(
-            "running=%s waiting=%s in_flight=%d kv_used=%d/%d (%.0f%%, cache included) "
-            "hit=%.0f%% gen=%.1f tok/s",
-            stats.get("running_requests"),
-            stats.get("waiting_requests"),
-            len(self.jobs),
-            used,
-            total,
-            100 * used / total,
-            100 * stats.get("cache_hit_rate", 0.0),
-            (decoded - decoded_before) / (now - since),
-        )
+        if now - since >= self.config.log_interval_s:  # the load line, while busy
+            stats = self.scheduler_stats
+            self.last_log = (now, stats.get("decode_tokens", 0))
+            if self.jobs or stats.get("running_requests"):
+                rate = (self.last_log[1] - decoded_before) / (now - since)
+                log.info("%s", load_summary(stats, len(self.jobs), rate))
 
 
 def ready_line(http_url: str, zmq_address: str) -> str:
