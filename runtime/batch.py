@@ -42,6 +42,7 @@ class BatchPlan:
     banned_ids: list[tuple[int, ...]] = field(default_factory=list)  # EOS before min_new_tokens
     vocab_masks: np.ndarray | None = None  # (S, words) int32 bitmask, bit set = allowed
     top_logprobs_num: int = 0  # top-k logprobs wanted for every logit row (0 = none)
+    sampled_logprobs: bool = True  # whether any sample row wants its token's logprob
     copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # CoW slots
     copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))
 
@@ -172,6 +173,7 @@ def _fill_sampling(
     ]
     plan.output_ids = [r.output_ids + r.draft_ids[:j] if j else r.output_ids for r, j in rows]
     plan.banned_ids = [_banned(r, j, eos_token_ids) for r, j in rows]
+    plan.sampled_logprobs = any(r.return_logprob for r, _ in rows)
     plan.top_logprobs_num = max(
         (r.top_logprobs_num for r in extends + [r for r, _ in rows] if r.return_logprob),
         default=0,

@@ -6,13 +6,20 @@ at least one reference: each radix-tree node holding any of its slots is one ref
 request that allocated it holds one until it lets go. When the last reference goes, the page
 is free again. Writers only write into pages they allocated themselves; a request that needs to
 continue a page shared through the tree copies it first (copy on write).
+
+Placement keeps each request's KV in a few runs of consecutive slots, so attention can read
+views of the pool instead of gathering copies: `alloc_pages(count, after=page)` continues a
+run right after `page` when those pages are free, and a new run is placed next-fit after a
+cursor with `gap` free pages left behind it, so the request can grow into them. The gap is
+not reserved: every free page stays allocatable, and a full pool hands out scattered pages.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
+
+MAX_GAP_SLOTS = 1024  # room left after a new run for the slots its request will still write
+SEARCH_WINDOW = 8192  # pages scanned past the cursor for a run before any free page will do
 
 
 class KVPool:
@@ -22,7 +29,10 @@ class KVPool:
         self.num_slots = self.num_pages * page_size  # what the model must allocate
         self.refs = np.zeros(self.num_pages, dtype=np.int32)
         self.refs[0] = 1
-        self._free: deque[int] = deque(range(1, self.num_pages))
+        self._is_free = np.ones(self.num_pages, dtype=bool)
+        self._is_free[0] = False
+        self._num_free = self.num_pages - 1
+        self._cursor = 1  # where the next new run is looked for
 
     @property
     def capacity_pages(self) -> int:
@@ -30,19 +40,62 @@ class KVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free) * self.page_size
+        return self._num_free * self.page_size
 
-    def alloc_pages(self, count: int) -> list[int] | None:
-        """Take `count` free pages with one reference each, or None (nothing taken)."""
-        if count > len(self._free):
+    def alloc_pages(self, count: int, after: int | None = None, gap: int = 0) -> list[int] | None:
+        """Take `count` free pages with one reference each, or None (nothing taken).
+
+        The pages continue the run ending at page `after` as far as those are free; the rest
+        form a new run, placed where `gap` more free pages follow it when the pool has such a
+        place near the cursor, else wherever pages are free (fragmented, never refused)."""
+        if count > self._num_free:
             return None
-        pages = [self._free.popleft() for _ in range(count)]
+        pages: list[int] = []
+        if after is not None:
+            end = min(after + 1 + count, self.num_pages)
+            free = self._is_free[after + 1 : end]
+            run = len(free) if free.all() else int(np.argmin(free))
+            pages = list(range(after + 1, after + 1 + run))
+            self._is_free[pages] = False
+        if len(pages) < count:
+            rest = self._new_run(count - len(pages), gap)
+            self._is_free[rest] = False
+            pages += rest
         self.refs[pages] = 1
+        self._num_free -= count
         return pages
+
+    def _new_run(self, count: int, gap: int) -> list[int]:
+        """`count` free pages: consecutive with `gap` free pages after them if a window past
+        the cursor has room, else consecutive, else the first free pages from the cursor."""
+        for want in (count + gap, count) if gap else (count,):
+            first = self._find_run(want)
+            if first >= 0:
+                self._cursor = first + want if first + want < self.num_pages else 1
+                return list(range(first, first + count))
+        order = np.concatenate(
+            [np.arange(self._cursor, self.num_pages), np.arange(1, self._cursor)]
+        )
+        picked = order[self._is_free[order]][:count]
+        self._cursor = int(picked[-1]) + 1 if int(picked[-1]) + 1 < self.num_pages else 1
+        return picked.tolist()
+
+    def _find_run(self, length: int) -> int:
+        """First page of `length` free pages in a row within SEARCH_WINDOW pages from the
+        cursor (wrapping to the start once), or -1."""
+        for lo in (self._cursor, 1):
+            hi = min(lo + max(SEARCH_WINDOW, 2 * length), self.num_pages)
+            free = np.concatenate([[False], self._is_free[lo:hi], [False]]).astype(np.int8)
+            edges = np.diff(free)
+            begins, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+            fits = np.flatnonzero(ends - begins >= length)
+            if fits.size:
+                return lo + int(begins[fits[0]])
+        return -1
 
     def incref(self, pages: np.ndarray | list[int]) -> None:
         self.refs[np.asarray(pages, dtype=np.int64)] += 1
@@ -54,7 +107,9 @@ class KVPool:
             return
         self.refs[pages] -= 1
         assert (self.refs[pages] >= 0).all(), f"page over-released: {pages[self.refs[pages] < 0]}"
-        self._free.extend(int(p) for p in pages[self.refs[pages] == 0])
+        freed = pages[self.refs[pages] == 0]
+        self._is_free[freed] = True
+        self._num_free += len(freed)
 
     def pages_of(self, slots: np.ndarray) -> np.ndarray:
         """Distinct pages holding `slots`, in first-seen order."""
@@ -65,4 +120,11 @@ class KVPool:
         return pages[np.sort(first)]
 
     def free_page_set(self) -> set[int]:
-        return set(self._free)
+        return set(np.flatnonzero(self._is_free).tolist())
+
+
+def run_hint(own_pages: list[int], future_slots: int, page_size: int) -> tuple[int | None, int]:
+    """`alloc_pages`'s (after, gap) for a request's next pages: continue its last own page,
+    and leave room behind a new run for the `future_slots` it will still write (capped)."""
+    gap = -(-min(max(future_slots, 0), MAX_GAP_SLOTS) // page_size)
+    return (own_pages[-1] if own_pages else None), gap

@@ -58,6 +58,8 @@ def sample(
             seed = plan.sample_seeds[i]
             gen = generator if seed is None else torch.Generator().manual_seed(seed)
             chosen[i] = torch.multinomial(probs[j].cpu(), 1, generator=gen).to(chosen.device)[0]
+    if not plan.sampled_logprobs:  # the log-sum-exp is a pass over (S, V): skip it
+        return chosen.tolist(), [float("nan")] * len(chosen)
     picked = logits.gather(1, chosen[:, None])[:, 0] if sampled_rows else top
     shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     log_total = shift + logits.sub_(shift[:, None]).exp_().sum(dim=-1).log()

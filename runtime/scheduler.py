@@ -17,7 +17,7 @@ import numpy as np
 
 from radixflow.runtime.batch import I64, BatchPlan, StepResult, build_plan
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.kv_pool import KVPool
+from radixflow.runtime.kv_pool import KVPool, run_hint
 from radixflow.runtime.radix_cache import RadixCache
 from radixflow.runtime.request import Req, ReqState
 from radixflow.runtime.schedule_policy import order_waiting, shares_uncached
@@ -307,7 +307,7 @@ class Scheduler:
         req.input_logprobs_done = req.input_logprobs_done or not req.wants_input_logprobs
         shared_tail = len(prefix) % size
         if shared_tail:  # the match ends inside a tree page: copy it, never write into it
-            pages = self._alloc_pages(1)
+            pages = self._alloc_pages(1, req, req.seq_len + req.remaining_new_tokens() - size)
             if pages is None:
                 return False
             req.own_pages = pages
@@ -334,7 +334,8 @@ class Scheduler:
         start = req.kv_len
         offset = start % size
         in_tail = min(size - offset, count) if offset else 0
-        pages = self._alloc_pages(-(-(count - in_tail) // size))
+        future = req.seq_len + req.remaining_new_tokens() - start - count
+        pages = self._alloc_pages(-(-(count - in_tail) // size), req, future)
         if pages is None:
             return False
         parts = []
@@ -347,24 +348,25 @@ class Scheduler:
         req.extend_target = start + count
         return True
 
-    def _alloc_pages(self, count: int) -> list[int] | None:
+    def _alloc_pages(self, count: int, req: Req, future: int) -> list[int] | None:
+        # continuing req's run, with room for `future` more slots behind a new run (run_hint)
         if count == 0:
             return []
         short = count - self.pool.num_free_pages
         if short > 0:
             self.metrics.evicted(self.tree.evict(short * self.pool.page_size))
-        return self.pool.alloc_pages(count)
+        return self.pool.alloc_pages(count, *run_hint(req.own_pages, future, self.pool.page_size))
 
     # ---- the plan --------------------------------------------------------------------------
 
     def _alloc_decode_slot(self, req: Req) -> int:
-        """The slot for position kv_len: next in the request's own last page, or a new page
-        (`_make_decode_room` guaranteed one is free)."""
+        """The slot for position kv_len: in its own last page, or a new one (one is free)."""
         size = self.pool.page_size
         if req.kv_len % size:
             slot = req.own_pages[-1] * size + req.kv_len % size
         else:
-            pages = self.pool.alloc_pages(1)
+            hint = run_hint(req.own_pages, req.remaining_new_tokens(), size)
+            pages = self.pool.alloc_pages(1, *hint)
             assert pages is not None, f"no page for decode: free={self.pool.num_free_pages}"
             req.own_pages.extend(pages)
             slot = pages[0] * size
@@ -588,8 +590,7 @@ class Scheduler:
         )
         free = self.pool.free_page_set()
         assert len(free) == self.pool.num_free_pages, "a page is free twice"
-        assert all(self.pool.refs[p] == 0 for p in free), "a referenced page is free"
-        assert int((self.pool.refs == 0).sum()) == len(free), "an unreferenced page is not free"
+        assert free == set(np.flatnonzero(self.pool.refs == 0).tolist()), "free != unreferenced"
         if private:
             slots = np.concatenate(private)
             assert len(np.unique(slots)) == len(slots), "a private slot is owned twice"

@@ -149,15 +149,75 @@ def test_cpu_extend_matches_reference(kind: str, group: int, page_size: int) -> 
 def test_cpu_decode_groups_mixed_lengths() -> None:
     """Decodes pad within groups of similar KV length: a batch mixing long and short contexts
     forms several groups, gathers at most about twice its keys, and matches the spec."""
-    pool = PagedPool(200, 16, torch.float32, seed=5)
+    pool = PagedPool(1000, 1, torch.float32, seed=5)  # scattered slots: nothing is a view
     lens = [300, 4, 290, 17, 1, 120, 0, 33]
     requests = [pool.alloc(n) for n in lens]
     args = (pool.queries(len(lens), 3), pool.k, pool.v, indptr(lens), torch.cat(requests), 0.125)
-    groups = cpu_attention.decode_layout(*args[3:5]).groups
-    assert len(groups) >= 3
-    assert sorted(torch.cat([g[0] for g in groups]).tolist()) == list(range(len(lens)))
+    layout = cpu_attention.decode_layout(*args[3:5])
+    groups, views = layout.groups, [row for row, _ in layout.views]
+    assert len(groups) >= 3 and views == []
+    assert sorted(torch.cat([g[0] for g in groups]).tolist() + views) == list(range(len(lens)))
     assert sum(g[1].numel() for g in groups) <= 2 * sum(lens) + max(lens)
     assert_close(cpu_attention.decode_attention(*args), reference.decode_attention(*args))
+
+
+class ContiguousPool(PagedPool):
+    """Slots handed out one after another, as the KV pool does for a request's own run."""
+
+    def __init__(self, num_slots: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__(num_slots, 1, dtype, seed)
+        self.next = 1
+
+    def alloc(self, n: int) -> torch.Tensor:
+        slots = torch.arange(self.next, self.next + n)
+        self.next += n + 3  # a gap: the next request's run does not continue this one
+        self.k[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        self.v[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("extra", [{}, {"logit_cap": 5.0}, {"sliding_window": 40}])
+def test_cpu_decode_reads_contiguous_runs_as_views(
+    group: int, dtype: torch.dtype, extra: dict
+) -> None:
+    """Requests whose keys lie in a few runs of consecutive slots (one run; a shared prefix
+    run then their own; two own runs; more runs than MAX_VIEW_RUNS: gathered) are attended
+    over views of the pool, and the result is the spec's. fp32 views copy nothing."""
+    pool = ContiguousPool(4000, dtype, seed=group)
+    prefix = pool.alloc(100)
+    pieces = [pool.alloc(n) for n in (40, 30, 20, *[10] * 10)]
+    requests = [
+        pool.alloc(300),  # one run
+        pool.alloc(57),
+        torch.cat([prefix, pool.alloc(45)]),  # behind a shared prefix run
+        torch.cat([prefix, pool.alloc(70)]),
+        torch.cat(pieces[:2]),  # two runs
+        torch.cat(pieces[2:]),  # eleven runs: gathered
+        pool.alloc(5),  # too short for a view: gathered
+    ]
+    args = (pool.queries(len(requests), group), pool.k, pool.v)
+    args += (indptr([len(r) for r in requests]), torch.cat(requests), HEAD_DIM**-0.5)
+    window = {k: v for k, v in extra.items() if k == "sliding_window"}
+    layout = cpu_attention.decode_layout(*args[3:5], **window)
+    views = {row: len(runs) for row, runs in layout.views}
+    gathered = sorted(torch.cat([g[0] for g in layout.groups]).tolist())
+    if "sliding_window" in extra:  # the last 40 keys: one run each, and 4 for request 5
+        assert views == {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 4} and gathered == [6]
+    else:
+        assert views == {0: 1, 1: 1, 2: 1, 3: 1, 4: 2} and gathered == [5, 6]
+        assert layout.shared_starts == (1,)
+    out = cpu_attention.decode_attention(*args, layout=layout, **extra)
+    assert_close(out, reference.decode_attention(*args, **extra))
+    if dtype == torch.float32:  # a view shares the pool's storage
+        view = cpu_attention._pool_view(pool.k, 1, 10)
+        assert view.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
+
+
+def test_slot_runs() -> None:
+    runs = cpu_attention.slot_runs(indptr([3, 0, 4, 1]), torch.tensor([5, 6, 7, 8, 9, 20, 21, 2]))
+    assert runs == [[(5, 3)], [], [(8, 2), (20, 2)], [(2, 1)]]
 
 
 def test_find_shared_prefixes_nested_runs() -> None:
