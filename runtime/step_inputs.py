@@ -95,6 +95,11 @@ class StepInputs:
             num_extend_tokens=plan.num_extend_tokens,
             **dict(zip(BATCH_ARRAYS, tensors[: len(BATCH_ARRAYS)])),
         )
+        if plan.num_extend_tokens and self.host_layout:  # the grid size, without a sync
+            from radixflow.kernels.extend_attention import ExtendLayout  # noqa: PLC0415
+
+            longest = int(np.diff(plan.extend_qo_indptr).max())
+            batch.layouts["extend", 0] = ExtendLayout(longest)
         if decodes and self.host_layout:  # the model derives no layout of its own then
             if layout is not None:
                 fields = dict(zip(LAYOUT_TENSORS, tensors[len(BATCH_ARRAYS) :]))
