@@ -109,7 +109,8 @@ def _draw(
         if seed is None and device.type != "cpu":
             continue
         gen = generator if seed is None else torch.Generator(device).manual_seed(seed)
-        chosen[rows[j]] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        # a 1-element index tensor: a 0-dim one would be read on the host (a sync)
+        chosen[rows[j : j + 1]] = torch.multinomial(probs[j], 1, generator=gen)
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

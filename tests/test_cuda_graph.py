@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from radixflow.kernels import CPU_OPS, AttentionOps, triton_ops  # noqa: E402
+from radixflow.kernels import CPU_OPS, REFERENCE_OPS, AttentionOps, triton_ops  # noqa: E402
 from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS  # noqa: E402
 from radixflow.runtime.batch import BatchPlan  # noqa: E402
 from radixflow.runtime.cuda_graph import DecodeGraphs, graph_batch_sizes  # noqa: E402
@@ -191,3 +191,27 @@ def test_record_backend_with_cpu_ops() -> None:
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="Triton ops on a CUDA device"):
         DecodeGraphs(model, eager.k_caches, eager.v_caches, 4, 64, backend="cuda")
+
+
+def test_triton_extend_takes_its_grid_from_the_host(triton_model: CausalLM) -> None:
+    """Prefills of 5 and 9 tokens: the runner hands the Triton extend its longest extend
+    (no device sync), and the logits equal the reference ops' on the same weights."""
+    plan = decode_plan(1, seed=0)
+    plan.input_ids = np.arange(14, dtype=np.int64) % 97
+    plan.positions = np.concatenate([np.arange(5), np.arange(9)])
+    plan.out_slots = np.arange(300, 314, dtype=np.int64)
+    plan.num_extend_tokens = 14
+    plan.extend_qo_indptr = np.array([0, 5, 14], np.int64)
+    plan.extend_kv_indptr = np.zeros(3, np.int64)
+    plan.decode_kv_indptr, plan.decode_kv_indices = np.zeros(1, np.int64), np.zeros(0, np.int64)
+    plan.logit_rows = np.array([4, 13], np.int64)
+    reference_model = tiny_model(REFERENCE_OPS)
+    results = []
+    for model in (triton_model, reference_model):
+        runner = ModelRunner(model, NUM_SLOTS, 1)
+        batch = runner.inputs.forward_batch(plan)
+        with torch.inference_mode():
+            results.append(model(batch, runner.k_caches, runner.v_caches))
+        if model is triton_model:
+            assert batch.layouts["extend", 0].max_extend_len == 9
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
