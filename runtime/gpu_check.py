@@ -191,6 +191,29 @@ def kernels(device: Any, dry: bool) -> dict[str, Any]:
     }
 
 
+def host_layout_ms() -> dict[str, Any]:
+    """Milliseconds of host work per graphed decode step to find and pad the shared runs
+    (`host_decode_layout` + `pad_layout`) at 256 streams: on the critical path of a step."""
+    import numpy as np
+    import torch
+
+    from radixflow.kernels.shared_prefix_attention import host_decode_layout, pad_layout
+
+    result = {}
+    for name, shared, own in (("independent_x256", 0, 100), ("shared_1000_x256", 1000, 50)):
+        rows = [np.r_[1 : 1 + shared, 1 + shared + b * own : 1 + shared + (b + 1) * own]
+                for b in range(256)]  # fmt: skip
+        indptr = torch.from_numpy(np.r_[0, np.cumsum([len(r) for r in rows])])
+        indices = torch.from_numpy(np.concatenate(rows))
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            pad_layout(host_decode_layout(indptr, indices), 256, 255, 1024)
+            best = min(best, time.perf_counter() - start)
+        result[name] = round(best * 1e3, 2)
+    return {"ok": True, "best_of_5_ms": result, "torch_threads": torch.get_num_threads()}
+
+
 # ---- the Engine ---------------------------------------------------------------------------
 
 
@@ -382,6 +405,7 @@ def run(dry: bool, model: str) -> dict[str, Any]:
             "kernel_tests", (lambda: {"skipped": True, "reason": "CUDA"}) if dry else kernel_tests
         ),
         timed("kernels", lambda: kernels(device, dry)),
+        timed("host_layout", host_layout_ms),
     ]
     base = {"device": device.type, "max_running_requests": 8 if dry else 256}
     fp32 = {"dtype": "float32", "max_total_tokens": 8192 if dry else 65536}

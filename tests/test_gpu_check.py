@@ -17,7 +17,9 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads(out.read_text())
     assert report["ok"] and report["dry_run"]
     checks = {c["name"]: c for c in report["checks"]}
-    assert list(checks) == ["kernel_tests", "kernels", "transformers", "cuda_graph", "throughput"]
+    names = ["kernel_tests", "kernels", "host_layout", "transformers", "cuda_graph", "throughput"]
+    assert list(checks) == names
+    assert all(ms > 0 for ms in checks["host_layout"]["best_of_5_ms"].values())
     assert checks["kernel_tests"]["skipped"]  # CUDA only
     kernels = checks["kernels"]
     assert kernels["shared_groups"] == 3  # one problem run, two branch runs
