@@ -30,7 +30,7 @@ MAX_BS = 8  # ladder 1, 2, 4, 8: every interpreted row costs about 0.3 s
 
 def tiny_model(ops: AttentionOps) -> CausalLM:
     config = ModelConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6,
+        vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=6,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
         rope_scaling=None, max_position=256, tie_word_embeddings=False,
     )  # fmt: skip
@@ -105,7 +105,7 @@ def test_ladder() -> None:
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
 
 
-@pytest.mark.parametrize(("shared_prefix", "batches"), [(True, (1, 3, 8)), (False, (5,))])
+@pytest.mark.parametrize(("shared_prefix", "batches"), [(True, (1, 3, 8)), (False, (3,))])
 def test_padded_replay_equals_eager(
     triton_model: CausalLM, shared_prefix: bool, batches: tuple[int, ...]
 ) -> None:
