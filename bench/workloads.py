@@ -233,10 +233,12 @@ def agent(codec: Codec, quick: bool) -> Workload:
     return Workload("agent", num_agents, rounds(), codec, programs)
 
 
-def independent(codec: Codec, quick: bool) -> Workload:
-    """Unrelated prompts, long outputs: raw engine throughput, nothing to share."""
+def independent(codec: Codec, quick: bool, num_prompts: int = 0) -> Workload:
+    """Unrelated prompts, long outputs: raw engine throughput, nothing to share.
+    `num_prompts` > 0 sets the number of streams (the GPU check's 1, 64 and 256)."""
     rng = random.Random(SEED + 5)
-    num_prompts, new = (4, 8) if quick else (64, 128)
+    default_prompts, new = (4, 8) if quick else (64, 128)
+    num_prompts = num_prompts or default_prompts
     programs = [{"prompt": sentence(rng, 20), "new": new} for _ in range(num_prompts)]
 
     def rounds() -> Rounds:

@@ -11,6 +11,8 @@ in q's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -160,6 +162,14 @@ def _check_inputs(
     assert qo_indptr.numel() == kv_indptr.numel() >= 1, f"{qo_indptr.shape=} {kv_indptr.shape=}"
 
 
+@dataclass(frozen=True)
+class ExtendLayout:
+    """What the launch needs from the metadata on the host: the most new tokens of one
+    request (it sizes the grid)."""
+
+    max_extend_len: int
+
+
 def extend_attention(
     q: torch.Tensor,
     k_extend: torch.Tensor,
@@ -170,13 +180,15 @@ def extend_attention(
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
+    layout: ExtendLayout | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over their request's cached prefix and (causally) each other.
 
     q (T, H, D); k_extend/v_extend (T, Hkv, D); pools (num_slots, Hkv, D); the prefix of
     request b is `kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. New token i of a request with
-    prefix P sees keys 0 .. P + i. Returns a new contiguous (T, H, D) tensor. Reads
-    max_extend_len from qo_indptr on the host (one device sync).
+    prefix P sees keys 0 .. P + i. Returns a new contiguous (T, H, D) tensor. Without a
+    `layout` (the longest extend, known to a caller holding the metadata on the host) it
+    reads max_extend_len from qo_indptr (one device sync).
     """
     _check_inputs((q, k_extend, v_extend), (k_buffer, v_buffer), qo_indptr, kv_indptr, kv_indices)
     num_tokens, num_heads, head_dim = q.shape
@@ -184,7 +196,10 @@ def extend_attention(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch_size == 0:
         return out.zero_()
-    max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    if layout is None:
+        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    else:
+        max_extend_len = layout.max_extend_len
     block_m, block_n, num_warps = _block_sizes(head_dim, q.dtype, q.device)
     grid = (batch_size, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](

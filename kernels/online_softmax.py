@@ -53,4 +53,5 @@ def interpreting(device: torch.device) -> bool:
 def check_index_tensor(name: str, t: torch.Tensor) -> None:
     """Assert an indptr/indices tensor is integer, 1-D and contiguous."""
     assert t.dtype in INDEX_DTYPES, f"{name} must be int32/int64, got {t.dtype}"
-    assert t.dim() == 1 and t.stride(0) == 1, f"{name} {tuple(t.shape)} {t.stride()}"
+    # an empty one may come with stride 0 (torch.from_numpy of an empty array); never read
+    assert t.dim() == 1 and (t.stride(0) == 1 or t.numel() == 0), f"{name} {t.shape} {t.stride()}"

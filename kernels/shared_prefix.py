@@ -39,9 +39,10 @@ def find_shared_prefixes(
     skip = torch.zeros_like(lens)
     starts, device = kv_indptr[:-1], kv_indptr.device
     groups: list[SharedPrefix] = []
+    lens_list, q_bounds = lens.tolist(), qo_indptr.tolist()  # one read each, not one per row
 
     def split(members: list[int], offset: int) -> None:
-        members = [b for b in members if int(lens[b]) - offset >= MIN_SHARED_KEYS]
+        members = [b for b in members if lens_list[b] - offset >= MIN_SHARED_KEYS]
         if len(members) < 2:
             return
         by_slot: dict[int, list[int]] = {}
@@ -57,8 +58,9 @@ def find_shared_prefixes(
             if length < MIN_SHARED_KEYS:
                 continue
             skip[rows] = offset + length
-            q_rows = [torch.arange(int(qo_indptr[b]), int(qo_indptr[b + 1])) for b in sub]
-            groups.append(SharedPrefix(torch.cat(q_rows).to(device), index[0, :length]))
+            q_rows = [r for b in sub for r in range(q_bounds[b], q_bounds[b + 1])]
+            rows_tensor = torch.tensor(q_rows, dtype=torch.int64, device=device)
+            groups.append(SharedPrefix(rows_tensor, index[0, :length]))
             split(sub, offset + length)
 
     split(list(range(len(lens))), 0)

@@ -35,7 +35,8 @@ class DecodeLayout:
     group_indptr (G+1,) into entry_rows (E,), the request (query row) of each entry;
     prefix_indptr (G+1,) into prefix_slots (sum P,), the run's slots;
     row_entry_indptr (B+1,) into row_entries (E,), the entries each request merges;
-    max_group_size: the most requests in one group (sizes the grid without a device sync).
+    max_group_size: the most requests in one group (sizes the grid without a device sync),
+    or a bound on it (a fixed-size layout for a captured launch: see `pad_layout`).
     """
 
     kv_indptr: torch.Tensor
@@ -61,9 +62,34 @@ def _indptr(lens: torch.Tensor) -> torch.Tensor:
 def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLayout:
     """Find the shared runs of a decode batch (`find_shared_prefixes`) and pack them, once
     per forward rather than once per layer. The finder reads lengths and slots one by one,
-    so it runs on a host copy of the metadata (one copy each way, not one sync per read)."""
-    device, num_reqs = kv_indptr.device, kv_indptr.numel() - 1
-    kv_indptr, kv_indices = kv_indptr.cpu().to(torch.int64), kv_indices.cpu().to(torch.int64)
+    so it runs on a host copy of the metadata (one copy each way, not one sync per read);
+    a caller holding the metadata on the host already calls `host_decode_layout` and
+    uploads the result itself (the model runner: no device-to-host copy at all)."""
+    device = kv_indptr.device
+    packed = host_decode_layout(kv_indptr.cpu(), kv_indices.cpu())
+    on_device = {
+        name: getattr(packed, name).to(device, non_blocking=True) for name in LAYOUT_TENSORS
+    }
+    return dataclasses.replace(packed, **on_device)
+
+
+LAYOUT_TENSORS = (
+    "kv_indptr",
+    "kv_indices",
+    "group_indptr",
+    "entry_rows",
+    "prefix_indptr",
+    "prefix_slots",
+    "row_entry_indptr",
+    "row_entries",
+)
+
+
+def host_decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLayout:
+    """`decode_layout` of host (CPU) metadata, on the host: int64 CPU tensors."""
+    assert kv_indptr.device.type == "cpu", f"{kv_indptr.device=}"
+    num_reqs = kv_indptr.numel() - 1
+    kv_indptr, kv_indices = kv_indptr.to(torch.int64), kv_indices.to(torch.int64)
     batch = torch.arange(num_reqs + 1)  # decode: query row b is request b
     shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
     if shared:
@@ -73,7 +99,7 @@ def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLa
     sizes = torch.tensor([len(g.q_rows) for g in shared], dtype=torch.int64)
     lens = torch.tensor([len(g.slots) for g in shared], dtype=torch.int64)
     per_row = torch.bincount(entry_rows, minlength=num_reqs)  # (B,) runs each request has
-    packed = DecodeLayout(
+    return DecodeLayout(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         group_indptr=_indptr(sizes),
@@ -84,12 +110,42 @@ def decode_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> DecodeLa
         row_entries=torch.argsort(entry_rows, stable=True),  # (E,) entries sorted by row
         max_group_size=max((len(g.q_rows) for g in shared), default=0),
     )
-    on_device = {
-        name: getattr(packed, name).to(device, non_blocking=True)
-        for name in packed.__dataclass_fields__
-        if name != "max_group_size"
+
+
+def pad_layout(
+    layout: DecodeLayout, batch_size: int, max_groups: int, max_entries: int
+) -> dict[str, torch.Tensor] | None:
+    """The host `layout` of B requests as the fixed-size tensors a captured (CUDA graph)
+    launch reads: `batch_size` requests and `max_groups` groups of `max_entries` entries in
+    all, whatever this step holds, so the grids and buffer sizes never change. Padding the
+    kernels skip by construction: groups past the real ones are empty (group_indptr and
+    prefix_indptr repeat their last value: no rows, no keys), padded requests merge no
+    entries and own one key, the dummy slot 0 (their rows are discarded). kv_indices and
+    prefix_slots keep their real lengths (a launch reads only what the indptrs name).
+    -> name -> tensor (int64, host), or None when the step does not fit."""
+    num_reqs, num_groups = layout.kv_indptr.numel() - 1, layout.num_groups
+    num_entries = layout.entry_rows.numel()
+    if num_reqs > batch_size or num_groups > max_groups or num_entries > max_entries:
+        return None
+    pad_reqs, pad_groups = batch_size - num_reqs, max_groups - num_groups
+    own_end = layout.kv_indptr[-1]
+
+    def extend(t: torch.Tensor, n: int, value: torch.Tensor | int) -> torch.Tensor:
+        return torch.cat([t, torch.full((n,), int(value), dtype=torch.int64)])
+
+    def zeros_to(t: torch.Tensor, n: int) -> torch.Tensor:
+        return extend(t, n - t.numel(), 0)
+
+    return {
+        "kv_indptr": torch.cat([layout.kv_indptr, own_end + torch.arange(1, pad_reqs + 1)]),
+        "kv_indices": extend(layout.kv_indices, pad_reqs, 0),
+        "group_indptr": extend(layout.group_indptr, pad_groups, num_entries),
+        "entry_rows": zeros_to(layout.entry_rows, max_entries),
+        "prefix_indptr": extend(layout.prefix_indptr, pad_groups, layout.prefix_indptr[-1]),
+        "prefix_slots": layout.prefix_slots,
+        "row_entry_indptr": extend(layout.row_entry_indptr, pad_reqs, num_entries),
+        "row_entries": zeros_to(layout.row_entries, max_entries),
     }
-    return dataclasses.replace(packed, **on_device)
 
 
 @triton.jit

@@ -70,6 +70,15 @@ class ServerConfig:
     mem_fraction_static: float = _knob(
         0.0, "KV pool share of the memory free after the weights (0 = use --max-total-tokens)"
     )
+    disable_cuda_graph: bool = _knob(
+        False, "run decode eagerly on CUDA instead of replaying captured CUDA graphs"
+    )
+    cuda_graph_max_bs: int = _knob(
+        256, "largest decode batch captured as a CUDA graph (capped by --max-running-requests)"
+    )
+    disable_shared_prefix_attention: bool = _knob(
+        False, "Triton decode: read KV runs shared by several requests per request (ablation)"
+    )
     speculative_algorithm: str = _knob(
         "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
     )
@@ -115,6 +124,7 @@ class ServerConfig:
             ),
             (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
             (self.dp_size >= 1, "dp_size must be >= 1"),
+            (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1"),
             (self.threads_per_replica >= 0, "threads_per_replica must be >= 0"),
             (self.router_policy in ROUTER_POLICIES, f"router_policy: {ROUTER_POLICIES}"),
         ]

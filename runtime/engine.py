@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.cuda_graph import graph_max_bs
 from radixflow.runtime.kv_pool import KVPool
 from radixflow.runtime.kv_sizing import size_kv_pool
 from radixflow.runtime.loader import resolve_model_dir
@@ -79,14 +80,22 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         loaded.hf_config,
     )
     device = next(model.parameters()).device
-    pool = KVPool(size_kv_pool(config, model, device).num_tokens, config.page_size)
-    runner = ModelRunner(model, pool.num_slots, config.page_size, seed=config.seed)
     if config.context_length > model.config.max_position:
         raise ValueError(
             f"context_length {config.context_length} exceeds the model's "
             f"{model.config.max_position} (max_position_embeddings); it can only cap it"
         )
     context_len = config.context_length or model.config.max_position
+    pool = KVPool(size_kv_pool(config, model, device).num_tokens, config.page_size)
+    runner = ModelRunner(
+        model,
+        pool.num_slots,
+        config.page_size,
+        seed=config.seed,
+        shared_prefix=not config.disable_shared_prefix_attention,
+        cuda_graph_max_bs=graph_max_bs(config, model),
+        max_kv_len=context_len,
+    )
     eos = eos_token_ids(tokenizer, hf_config)
     scheduler = Scheduler(
         config,
@@ -111,6 +120,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "device": str(device),
         "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
         "attention_backend": model.ops.name,
+        "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

@@ -17,9 +17,11 @@ from radixflow.kernels import AttentionOps, get_ops
 from radixflow.runtime import models
 from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.cuda_graph import DecodeGraphs
 from radixflow.runtime.loader import load_hf_config, weight_files
-from radixflow.runtime.models.layers import CausalLM, ForwardBatch, ModelConfig
+from radixflow.runtime.models.layers import CausalLM, ModelConfig
 from radixflow.runtime.sampler import sample
+from radixflow.runtime.step_inputs import StepInputs, upload_int64
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -88,7 +90,22 @@ def _takes(ops: AttentionOps, keyword: str) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_slots: int, page_size: int, seed: int = 0) -> None:
+    """`cuda_graph_max_bs` > 0 replays decode steps from CUDA graphs (runtime/cuda_graph.py;
+    `graph_backend` "record" is its CPU stand-in for tests); `shared_prefix` False is the
+    Triton ablation that reads every key per request."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_slots: int,
+        page_size: int,
+        seed: int = 0,
+        *,
+        shared_prefix: bool = True,
+        cuda_graph_max_bs: int = 0,
+        max_kv_len: int = 0,
+        graph_backend: str = "cuda",
+    ) -> None:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -100,39 +117,38 @@ class ModelRunner:
         self.v_caches = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.k_caches[:, :page_size].zero_()
         self.v_caches[:, :page_size].zero_()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.vocab_size = c.vocab_size
+        self.inputs = StepInputs(model, shared_prefix)
+        self.graphs = None
+        if cuda_graph_max_bs:
+            self.graphs = DecodeGraphs(
+                model, self.k_caches, self.v_caches, cuda_graph_max_bs,
+                max_kv_len or num_slots, shared_prefix, graph_backend,
+            )  # fmt: skip
 
     def forward(self, plan: BatchPlan) -> StepResult:
         if len(plan.copy_src):
-            src, dst = self._tensor(plan.copy_src), self._tensor(plan.copy_dst)
+            src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
             self.k_caches[:, dst] = self.k_caches[:, src]
             self.v_caches[:, dst] = self.v_caches[:, src]
-        batch = ForwardBatch(
-            input_ids=self._tensor(plan.input_ids),
-            positions=self._tensor(plan.positions),
-            out_slots=self._tensor(plan.out_slots),
-            num_extend_tokens=plan.num_extend_tokens,
-            extend_qo_indptr=self._tensor(plan.extend_qo_indptr),
-            extend_kv_indptr=self._tensor(plan.extend_kv_indptr),
-            extend_kv_indices=self._tensor(plan.extend_kv_indices),
-            decode_kv_indptr=self._tensor(plan.decode_kv_indptr),
-            decode_kv_indices=self._tensor(plan.decode_kv_indices),
-            logit_rows=self._tensor(plan.logit_rows),
-        )
         with torch.inference_mode():
-            logits = self.model(batch, self.k_caches, self.v_caches)  # (R, V) fp32
+            logits = self.graphs.replay(plan) if self.graphs is not None else None
+            if logits is None:
+                batch = self.inputs.forward_batch(plan)
+                logits = self.model(batch, self.k_caches, self.v_caches)  # (R, V) fp32
             return self._postprocess(logits, plan)
 
     def _postprocess(self, logits: torch.Tensor, plan: BatchPlan) -> StepResult:
-        targets = self._tensor(plan.logprob_targets)
+        has = plan.logprob_targets >= 0  # (R,) host-side: no device sync to decide
         target_logprobs = np.full(len(plan.logit_rows), np.nan)
         top_values = top_ids = None
-        if (targets >= 0).any() or plan.top_logprobs_num:
+        if has.any() or plan.top_logprobs_num:
             logprobs = torch.log_softmax(logits, dim=-1)
-            has = targets >= 0
-            picked = logprobs[has].gather(1, targets[has][:, None])[:, 0]
-            target_logprobs[has.cpu().numpy()] = picked.cpu().numpy()
+            if has.any():
+                wanted = [np.flatnonzero(has), plan.logprob_targets[has]]
+                rows, targets = upload_int64(wanted, self.device)
+                target_logprobs[has] = logprobs[rows, targets].cpu().numpy()
             if plan.top_logprobs_num:
                 values, ids = logprobs.topk(plan.top_logprobs_num, dim=-1)
                 top_values, top_ids = values.cpu().numpy(), ids.cpu().numpy()
@@ -140,9 +156,7 @@ class ModelRunner:
         next_logprobs: list[float] = []
         if len(plan.sample_rows):
             every_row = np.array_equal(plan.sample_rows, np.arange(len(logits)))
-            rows = logits if every_row else logits[self._tensor(plan.sample_rows)]
-            next_ids, next_logprobs = sample(rows, plan, self.generator)
+            if not every_row:
+                logits = logits[upload_int64([plan.sample_rows], self.device)[0]]
+            next_ids, next_logprobs = sample(logits, plan, self.generator)
         return StepResult(next_ids, next_logprobs, target_logprobs, top_values, top_ids)
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

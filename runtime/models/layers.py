@@ -409,7 +409,9 @@ class CausalLM(nn.Module):
         return logits
 
     def _prepare_layouts(self, batch: ForwardBatch) -> None:
-        """One backend layout per (mode, window) in use, shared by every layer of that window."""
+        """One backend layout per (mode, window) in use, shared by every layer of that window.
+        A layout the caller put in `batch.layouts` already (the runner's, derived on the host;
+        None for none) is kept."""
         ops = self.ops
         for window in sorted({layer.window for layer in self.layers}):
             extra = {"sliding_window": window} if window else {}
@@ -417,7 +419,12 @@ class CausalLM(nn.Module):
                 batch.layouts["extend", window] = ops.prepare_extend(
                     batch.extend_qo_indptr, batch.extend_kv_indptr, batch.extend_kv_indices, **extra
                 )
-            if ops.prepare_decode is not None and batch.num_extend_tokens < len(batch.input_ids):
+            supplied = ("decode", window) in batch.layouts
+            if (
+                ops.prepare_decode is not None
+                and not supplied
+                and batch.num_extend_tokens < len(batch.input_ids)
+            ):
                 batch.layouts["decode", window] = ops.prepare_decode(
                     batch.decode_kv_indptr, batch.decode_kv_indices, **extra
                 )
