@@ -22,7 +22,7 @@ from radixflow.runtime.config import add_config_arguments, config_from_args, con
 from radixflow.runtime.lab_cli import LAB_COMMANDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-COMMANDS = ("serve", "bench", "scheduler", *LAB_COMMANDS)
+COMMANDS = ("serve", "bench", "scheduler", "tp-worker", *LAB_COMMANDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     internal.add_argument("--parent-pid", type=int, required=True)
     internal.add_argument("--config-json", required=True)
     internal.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    worker = commands.add_parser("tp-worker", help="(internal) a tensor-parallel rank > 0")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--init-addr", required=True)
+    worker.add_argument("--model-dir", required=True)
+    worker.add_argument("--parent-pid", type=int, required=True)
+    worker.add_argument("--config-json", required=True)
+    worker.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return parser
 
 
@@ -74,11 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_kwargs(**json.loads(args.config_json))
         run_scheduler(config, IpcAddresses(args.ipc_dir), args.parent_pid)
         return 0
+    if args.command == "tp-worker":
+        from pathlib import Path
+
+        from radixflow.runtime.tp_worker import run_worker
+
+        config = config_from_kwargs(**json.loads(args.config_json))
+        return run_worker(config, args.rank, args.init_addr, Path(args.model_dir), args.parent_pid)
     try:
         config = config_from_args(args)
     except ValueError as e:
         print(f"radixflow: {e}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:  # another machine's tensor-parallel ranks; no server here
+        from radixflow.runtime.tp_worker import serve_node
+
+        return serve_node(config)
     if config.dp_size > 1:
         from radixflow.runtime.data_parallel import serve_data_parallel
 
