@@ -114,17 +114,59 @@ def _pin_gloo_interface(host: str) -> None:
             return
 
 
+def open_store(rank: int, size: int, init_addr: str, listen_fd: int | None = None) -> dist.Store:
+    """The rendezvous store at `init_addr`: rank 0 serves it on `listen_fd` (a socket bound
+    to that address only), the others connect (retrying for JOIN_TIMEOUT_S)."""
+    host, port = split_addr(init_addr)
+    _pin_gloo_interface(host)
+    extra = {"master_listen_fd": listen_fd} if listen_fd is not None else {}
+    return dist.TCPStore(
+        host, port, size, rank == 0, timedelta(seconds=JOIN_TIMEOUT_S),
+        wait_for_workers=False, use_libuv=False, **extra,
+    )  # fmt: skip
+
+
 class TensorParallel:
     """One rank's membership of the group: the collectives its shard calls (`all_reduce`,
     `gather`), the plan broadcast (`send_plan` on rank 0, `recv_plan` elsewhere) and, on
     rank 0, the local worker processes it started."""
 
-    def __init__(self, rank: int, size: int, compute: dist.ProcessGroup) -> None:
-        self.rank, self.size, self.compute = rank, size, compute
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.compute: dist.ProcessGroup | None = None  # set by `connect`
         self.workers: dict[int, subprocess.Popen[bytes]] = {}  # rank -> process (rank 0)
         self.pending = False  # a plan went out and its forward has not reached the gather
         self.broken = ""
         self.last_control = time.monotonic()
+        self.dist_timeout = 60.0  # seconds; set by `connect`
+
+    def connect(
+        self,
+        store: dist.Store,
+        dist_timeout: float,
+        device: torch.device,
+        alive: Callable[[], None] | None = None,
+    ) -> None:
+        """Form the groups through `store` (see `open_store`). Rank 0 first waits, calling
+        `alive` (which raises when a local worker died), until every rank checked in; raises
+        TensorParallelError when they do not within JOIN_TIMEOUT_S."""
+        store.set(f"radixflow/joined/{self.rank}", str(os.getpid()))
+        if self.rank == 0:
+            keys = [f"radixflow/joined/{r}" for r in range(self.size)]
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while not store.check(keys):
+                if alive is not None:
+                    alive()
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"not every rank joined in {JOIN_TIMEOUT_S:.0f}s")
+                time.sleep(0.05)
+        dist.init_process_group(
+            "gloo", store=store, rank=self.rank, world_size=self.size, timeout=CONTROL_TIMEOUT
+        )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.dist_timeout = dist_timeout
+        self.compute = dist.new_group(backend=backend, timeout=timedelta(seconds=dist_timeout))
+        log.info("tp rank %d of %d joined (%s)", self.rank, self.size, backend)
 
     @classmethod
     def join(
@@ -135,34 +177,11 @@ class TensorParallel:
         dist_timeout: float,
         device: torch.device,
         listen_fd: int | None = None,
-        alive: Callable[[], None] | None = None,
     ) -> TensorParallel:
-        """Join the group at `init_addr`. Rank 0 serves the store on `listen_fd` and waits
-        (calling `alive`, which raises when a local worker died) until every rank checked
-        in. Raises TensorParallelError or the store's error when the ranks do not meet."""
-        host, port = split_addr(init_addr)
-        _pin_gloo_interface(host)
-        extra = {"master_listen_fd": listen_fd} if listen_fd is not None else {}
-        store = dist.TCPStore(
-            host, port, size, rank == 0, timedelta(seconds=JOIN_TIMEOUT_S),
-            wait_for_workers=False, use_libuv=False, **extra,
-        )  # fmt: skip
-        store.set(f"radixflow/joined/{rank}", str(os.getpid()))
-        if rank == 0:
-            keys = [f"radixflow/joined/{r}" for r in range(size)]
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
-            while not store.check(keys):
-                if alive is not None:
-                    alive()
-                if time.monotonic() > deadline:
-                    raise TensorParallelError(f"not every rank joined {init_addr} in time")
-                time.sleep(0.05)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                                timeout=CONTROL_TIMEOUT)  # fmt: skip
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        compute = dist.new_group(backend=backend, timeout=timedelta(seconds=dist_timeout))
-        log.info("tp rank %d of %d joined %s (%s)", rank, size, init_addr, backend)
-        return cls(rank, size, compute)
+        """`open_store` + `connect`: rank `rank` of a group meeting at `init_addr`."""
+        tp = cls(rank, size)
+        tp.connect(open_store(rank, size, init_addr, listen_fd), dist_timeout, device)
+        return tp
 
     # ---- collectives (models/sharding.Collectives) ---------------------------------------
 
@@ -217,11 +236,16 @@ class TensorParallel:
             **fields,
         )
 
-    def _control(self, header: torch.Tensor, body: torch.Tensor | None = None) -> None:
+    def _control(
+        self, header: torch.Tensor, body: torch.Tensor | None = None, timeout: float = 0.0
+    ) -> None:
+        """Broadcast from rank 0; the ranks must take it within `timeout` (default: the
+        compute timeout), else the group is broken (a rank that is alive but stuck)."""
+        wait = timedelta(seconds=timeout or self.dist_timeout)
         try:
-            dist.broadcast(header, 0)
+            dist.broadcast(header, 0, async_op=True).wait(wait)
             if body is not None and len(body):
-                dist.broadcast(body, 0)
+                dist.broadcast(body, 0, async_op=True).wait(wait)
         except RuntimeError as e:
             self._break(f"a tensor-parallel rank is unreachable: {e}")
         self.last_control = time.monotonic()
@@ -255,7 +279,8 @@ class TensorParallel:
         the connection close and rejoin a restarted rank 0)."""
         if stop and self.rank == 0 and not self.broken and not self.pending:
             with contextlib.suppress(TensorParallelError):
-                self._control(torch.tensor([STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+                stop_header = torch.tensor([STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+                self._control(stop_header, timeout=STOP_WAIT_S)
         end_processes(list(self.workers.values()), STOP_WAIT_S if stop else 0.0)
         if not self.broken:  # a broken gloo group is left to the process exit
             dist.destroy_process_group()
@@ -304,28 +329,29 @@ def spawn_worker(
 
 
 def start_rank0(config: ServerConfig, model_dir: Path) -> tuple[CausalLM, TensorParallel]:
-    """Rank 0: listen on `--dist-init-addr`, start this node's other ranks, join the group,
-    load rank 0's shard. Raises TensorParallelError (a rank died or did not join)."""
+    """Rank 0: serve the store on `--dist-init-addr`, start this node's other ranks, load
+    rank 0's shard while they start, then form the group. Raises TensorParallelError (a
+    rank died or did not join)."""
     host, port = split_addr(config.dist_init_addr or "127.0.0.1:0")
     listener = socket.create_server((host, port))
     addr = f"{host}:{listener.getsockname()[1]}"
-    listen_fd = listener.detach()  # the store owns it now
-    workers = {r: spawn_worker(config, r, addr, model_dir) for r in node_ranks(config) if r}
+    store = open_store(0, config.tp_size, addr, listener.detach())  # the store owns the socket
+    tp = TensorParallel(0, config.tp_size)
+    tp.workers = {r: spawn_worker(config, r, addr, model_dir) for r in node_ranks(config) if r}
 
     def alive() -> None:
-        for rank, proc in workers.items():
+        for rank, proc in tp.workers.items():
             if proc.poll() is not None:
                 raise TensorParallelError(f"tp rank {rank} exited with code {proc.returncode}")
 
-    tp = None
     try:
         device = rank_device(config, 0)
-        tp = TensorParallel.join(0, config.tp_size, addr, config.dist_timeout, device,
-                                 listen_fd, alive)  # fmt: skip
-        tp.workers = workers
-        return load_shard(model_dir, config, device, tp), tp
+        model = load_shard(
+            model_dir, config, device, tp
+        )  # the groups are needed from the forward on
+        tp.connect(store, config.dist_timeout, device, alive)
+        return model, tp
     except BaseException:
-        if tp is not None:
-            tp.broken = tp.broken or "rank 0 failed to start"
-        end_processes(list(workers.values()), 0.0)
+        tp.broken = tp.broken or "rank 0 failed to start"
+        end_processes(list(tp.workers.values()), 0.0)
         raise
