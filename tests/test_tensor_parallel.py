@@ -278,11 +278,15 @@ def test_smollm2_tp2_matches_tp1(make_engine) -> None:
             (running,) = engine.submit(chat("Count to twenty."), {**GREEDY, "max_new_tokens": 6})
             engine.step()
             engine.step()  # now decoding beside the batch below
+            start = len(engine.tokenizer.encode(prefix, add_special_tokens=False))
             batch = engine.submit(
-                [prefix + "Paris", chat("Name a color."), prefix + "The city"],
+                [prefix + "Paris", prefix + "The city"],
                 {**GREEDY, "max_new_tokens": 4},
                 return_logprob=True,
-                logprob_start_len=0,
+                logprob_start_len=start,  # rows after the cached prefix
+            )
+            batch += engine.submit(
+                chat("Name a color."), {**GREEDY, "max_new_tokens": 4}, return_logprob=True
             )
             while engine.step():
                 pass
