@@ -211,7 +211,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_serve_like_one(tiny_llama) -> None:
+    """Node 0 (the server, rank 0) and node 1 (`serve --node-rank 1`: rank 1) on one
+    address: 16 greedy prompts as tp=1 gives them; node 1's rank killed while idle, rank 0
+    notices (its ping), restarts, node 1 joins again and the same tokens come back; SIGTERM
+    on node 0 stops node 1."""
     prompts = _prompts(16)
     with Engine(model=str(tiny_llama), **TINY) as engine:
         want = [o["output_ids"] for o in engine.generate(prompts, GREEDY)]
@@ -225,24 +230,42 @@ def test_two_nodes_on_loopback_serve_like_one(tiny_llama) -> None:
     )  # fmt: skip
     try:
         with Runtime(str(tiny_llama), node_rank=0, log_level="warning", **nodes) as rt:
-            results: list[Any] = [None] * len(prompts)
-
-            def run(i: int) -> None:
-                results[i] = rt.endpoint.generate(prompts[i], GREEDY)["output_ids"]
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert results == want
-            assert rt.endpoint.stats()["server"]["scheduler_restarts"] == 0
+            assert _generate_all(rt, prompts) == want
+            assert rt.endpoint.health()["scheduler_restarts"] == 0
+            (rank1,) = psutil.Process(node1.pid).children()
+            rank1.kill()
+            health = wait_for_health(rt, lambda h: h["ok"] and h["scheduler_restarts"] == 1)
+            assert "exited" in health["last_error"]
+            assert _generate_all(rt, prompts) == want
             rt.process.send_signal(signal.SIGTERM)
             assert rt.process.wait(30) == 0
         assert node1.wait(30) == 0  # rank 0 told node 1's rank to stop; the node exits
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def wait_for_health(rt: Runtime, done: Any, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done(health := rt.endpoint.health()):
+        assert time.monotonic() < deadline, health
+        time.sleep(0.1)
+    return health
+
+
+def _generate_all(rt: Runtime, prompts: list[str]) -> list[Any]:
+    """All prompts at once (one thread each), so they batch: -> output ids in order."""
+    results: list[Any] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = rt.endpoint.generate(prompts[i], GREEDY)["output_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------
