@@ -68,6 +68,7 @@ PLAN_FIELDS = (
 STEP, STOP, PING = 1, 2, 3
 HEADER_LEN = 2 + len(PLAN_FIELDS)  # command, num_extend_tokens, the fields' lengths
 JOIN_TIMEOUT_S = 600.0  # every rank has joined within this (model loading comes after)
+LOAD_TIMEOUT_S = 3600.0  # and loaded its shard within this
 CONTROL_TIMEOUT = timedelta(days=7)  # an idle worker waits this long for the next plan
 PING_INTERVAL_S = 2.0  # an idle rank 0 pings this often (a dead remote rank is then noticed)
 STOP_WAIT_S = 10.0
@@ -197,7 +198,8 @@ class TensorParallel:
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (the KV pool size all ranks can hold)."""
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True)
+        work.wait(timedelta(seconds=LOAD_TIMEOUT_S))  # every rank has loaded by then
         return int(tensor)
 
     # ---- plans ----------------------------------------------------------------------------
@@ -346,9 +348,8 @@ def start_rank0(config: ServerConfig, model_dir: Path) -> tuple[CausalLM, Tensor
 
     try:
         device = rank_device(config, 0)
-        model = load_shard(
-            model_dir, config, device, tp
-        )  # the groups are needed from the forward on
+        # the shard needs the groups only from its first forward on
+        model = load_shard(model_dir, config, device, tp)
         tp.connect(store, config.dist_timeout, device, alive)
         return model, tp
     except BaseException:
