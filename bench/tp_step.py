@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank == 0:
             print(json.dumps({"allreduce_ms": result}))
         return 0
-    for tp in (1, args.tp):
+    for tp in sorted({1, args.tp}):
         for row in measure(args.model, tp, args.batch, args.steps, args.threads):
             print(json.dumps(row), flush=True)
     return 0
