@@ -7,8 +7,9 @@ Every ServerConfig field is a flag (`--max-total-tokens`, `--self-check/--no-sel
 HTTP (SGLang's native API, OpenAI's /v1, /metrics) is served on `--port` (default 30000) and
 radixflow's ZeroMQ protocol on `--zmq-port` (default 30001); `--port 0` picks both free. The
 server prints one line `radixflow ready on http://HOST:P (HTTP) and tcp://HOST:Q (ZeroMQ)`
-on stdout when it can serve; logs go to stderr. `radixflow scheduler` is the internal entry
-of the scheduler process.
+on stdout when it can serve; logs go to stderr. `radixflow scheduler` and `radixflow
+tp-worker` are the internal entries of the scheduler process and of tensor-parallel ranks
+1..N-1; `serve --node-rank K` (K > 0) runs only node K's ranks (runtime/tp_worker.py).
 """
 
 from __future__ import annotations

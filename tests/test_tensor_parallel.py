@@ -83,6 +83,22 @@ def test_heads_split_so_each_rank_groups_uniformly() -> None:
         split_heads(2, 1, 4, 0)
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "127.0.0.1:1234"}, "divide tp_size"),
+        ({"tp_size": 2, "nnodes": 2}, "needs --dist-init-addr"),
+        ({"tp_size": 2, "dist_init_addr": "127.0.0.1"}, "host:port"),
+        ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank"),
+        ({"tp_size": 2, "dp_size": 2}, "not supported"),
+        ({"tp_size": 0}, "tp_size"),
+    ],
+)
+def test_bad_tensor_parallel_configs_are_refused(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**changes)
+
+
 class _FakeGroup:
     """Rank 0 of `size` whose peers' shards are given: gather returns them all."""
 
