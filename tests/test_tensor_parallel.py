@@ -119,6 +119,24 @@ def test_logits_gather_trims_uneven_vocabulary_shards() -> None:
     assert torch.equal(gather_vocab(shards[0], 10, _FakeGroup(shards)), full)
 
 
+def test_rank0_refuses_to_step_after_a_partial_step_or_a_dead_worker() -> None:
+    """A plan whose forward never reached the logits gather leaves the ranks out of step;
+    a worker that exited leaves the group short: either way no further step is tried."""
+    from radixflow.runtime.tensor_parallel import TensorParallel, TensorParallelError
+
+    tp = TensorParallel(0, 2)
+    tp.pending = True
+    with pytest.raises(TensorParallelError, match="out of step"):
+        tp.check()
+    with pytest.raises(TensorParallelError, match="out of step"):
+        tp.send_plan(None)  # refused before anything is sent
+    tp = TensorParallel(0, 2)
+    tp.workers = {1: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])}
+    tp.workers[1].wait(30)
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 3"):
+        tp.check()
+
+
 # ---- shards against the whole model --------------------------------------------------------
 
 
