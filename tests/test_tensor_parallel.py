@@ -7,8 +7,9 @@ runtime/tp_worker.py) on CPU with gloo, one torch thread per rank.
 - `--tp-size 1` never starts torch.distributed;
 - a rank killed mid-run: the requests in flight get errors (no hang), the server reports
   unhealthy, restarts both ranks and serves the same tokens again;
-- two "nodes" on loopback (`--nnodes 2`, `--node-rank 0/1`, one `--dist-init-addr`) serve
+- (slow) two "nodes" on loopback (`--nnodes 2`, `--node-rank 0/1`, one `--dist-init-addr`) serve
   16 greedy prompts exactly as tp=1 does, and SIGTERM on node 0 stops node 1 too;
+- (slow) n-gram speculation, a regex and seeded sampling give tp=1's outputs;
 - (slow) SmolLM2: tp=2 logits within 1e-4 of tp=1 on ragged steps with a cached prefix,
   and greedy output of 16 prompts equal.
 """
@@ -302,6 +303,24 @@ def _generate_all(rt: Runtime, prompts: list[str]) -> list[Any]:
     for t in threads:
         t.join(120)
     return results
+
+
+@pytest.mark.slow
+def test_engine_tp2_sampling_features_match_tp1(tiny_llama) -> None:
+    """Sampling stays on rank 0: n-gram speculative decoding (verify rows in the plan), a
+    regex grammar and seeded sampling give tp=1's outputs."""
+    prompts = ["one two three one two three one two", "abc abc abc abc", "hello world"]
+    runs = [
+        {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 16, "temperature": 0, "regex": "[0-9]{3}-[a-z]{4}"},
+        {"max_new_tokens": 16, "temperature": 0.8, "seed": 5},
+    ]
+    outs = []
+    for tp in (1, 2):
+        with Engine(model=str(tiny_llama), tp_size=tp, speculative_algorithm="ngram", **TINY) as e:
+            outs.append([[o["output_ids"] for o in e.generate(prompts, p)] for p in runs])
+            assert e.stats()["spec_verify_steps"] > 0  # drafts were verified
+    assert outs[0] == outs[1]
 
 
 # ---- SmolLM2 ------------------------------------------------------------------------------
