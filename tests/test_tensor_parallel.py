@@ -7,8 +7,9 @@ runtime/tp_worker.py) on CPU with gloo, one torch thread per rank.
 - `--tp-size 1` never starts torch.distributed;
 - a rank killed mid-run: the requests in flight get errors (no hang), the server reports
   unhealthy, restarts both ranks and serves the same tokens again;
-- (slow) two "nodes" on loopback (`--nnodes 2`, `--node-rank 0/1`, one `--dist-init-addr`) serve
-  16 greedy prompts exactly as tp=1 does, and SIGTERM on node 0 stops node 1 too;
+- (slow) two "nodes" on loopback (`--nnodes 2`, `--node-rank 0/1`, one `--dist-init-addr`)
+  serve 16 greedy prompts exactly as tp=1 does, again after node 1's rank was killed and
+  rejoined, and SIGTERM on node 0 stops node 1 too;
 - (slow) n-gram speculation, a regex and seeded sampling give tp=1's outputs;
 - (slow) SmolLM2: tp=2 logits within 1e-4 of tp=1 on ragged steps with a cached prefix,
   and greedy output of 16 prompts equal.
