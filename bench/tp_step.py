@@ -47,7 +47,6 @@ def measure(model: str, tp: int, batches: list[int], steps: int, threads: int) -
     if group is not None:  # instance attributes shadow the methods the shards call
         for name in ("all_reduce", "gather", "send_plan"):
             setattr(group, name, _timed(calls, name, getattr(group, name)))
-        engine.scheduler.runner.broadcast_plan = group.send_plan
     try:
         for batch in batches:
             params = {"max_new_tokens": steps + 8, "temperature": 0, "ignore_eos": True}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -90,8 +91,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         num_tokens = loaded.tp.agree_min(num_tokens)
     pool = KVPool(num_tokens, config.page_size)
     runner = ModelRunner(model, pool.num_slots, config.page_size, seed=config.seed)
-    if loaded.tp is not None:
-        runner.broadcast_plan = loaded.tp.send_plan
+    if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
+        runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
     if config.context_length > model.config.max_position:
         raise ValueError(
             f"context_length {config.context_length} exceeds the model's "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -103,12 +102,8 @@ class ModelRunner:
         self.v_caches[:, :page_size].zero_()
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab_size = c.vocab_size
-        # tensor parallel, rank 0: sends each plan to ranks 1..N-1 (runtime/tensor_parallel.py)
-        self.broadcast_plan: Callable[[BatchPlan], None] | None = None
 
     def forward(self, plan: BatchPlan) -> StepResult:
-        if self.broadcast_plan is not None:
-            self.broadcast_plan(plan)
         if len(plan.copy_src):
             src, dst = self._tensor(plan.copy_src), self._tensor(plan.copy_dst)
             self.k_caches[:, dst] = self.k_caches[:, src]

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from radixflow.runtime import models
-from radixflow.runtime.batch import BatchPlan
+from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.loader import load_hf_config, weight_files
 from radixflow.runtime.model_runner import pick_device, pick_dtype, pick_ops
@@ -136,7 +136,7 @@ class TensorParallel:
         self.rank, self.size = rank, size
         self.compute: dist.ProcessGroup | None = None  # set by `connect`
         self.workers: dict[int, subprocess.Popen[bytes]] = {}  # rank -> process (rank 0)
-        self.pending = False  # a plan went out and its forward has not reached the gather
+        self.pending = False  # a plan went out and rank 0's forward of it has not returned
         self.broken = ""
         self.last_control = time.monotonic()
         self.dist_timeout = 60.0  # seconds; set by `connect`
@@ -192,7 +192,6 @@ class TensorParallel:
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(tensor, parts, dst=0, group=self.compute)
-        self.pending = False  # the forward's last collective: the ranks are in step again
         return parts
 
     def agree_min(self, value: int) -> int:
@@ -204,16 +203,25 @@ class TensorParallel:
 
     # ---- plans ----------------------------------------------------------------------------
 
-    def send_plan(self, plan: BatchPlan) -> None:
-        """Rank 0, before its forward: send the step to the other ranks. Raises
+    def run_step(self, forward: Callable[[BatchPlan], StepResult], plan: BatchPlan) -> StepResult:
+        """Rank 0's `ModelRunner.forward`: send the plan to the other ranks, then run it here.
+        If `forward` raises, the other ranks may be inside collectives rank 0 never reaches:
+        the group stays out of step and every later step is refused. Raises
         TensorParallelError when the group cannot step."""
+        self.send_plan(plan)
+        self.pending = True
+        result = forward(plan)
+        self.pending = False
+        return result
+
+    def send_plan(self, plan: BatchPlan) -> None:
+        """Rank 0: send the step to the other ranks. Raises TensorParallelError."""
         self._check_ranks()
         arrays = [np.ascontiguousarray(getattr(plan, f), dtype=np.int64) for f in PLAN_FIELDS]
         header = [STEP, plan.num_extend_tokens, *(len(a) for a in arrays)]
         self._control(
             torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays))
         )
-        self.pending = True
 
     def recv_plan(self) -> BatchPlan | None:
         """Ranks 1..N-1: the next step's plan (no sampling rows), or None when told to stop."""

@@ -36,6 +36,7 @@ from conftest import CHAT_PROMPTS, chat
 from radixflow.backend import Runtime, RuntimeEndpointError
 from radixflow.runtime import Engine
 from radixflow.runtime import messages as m
+from radixflow.runtime.batch import build_plan
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_runner import load_model
 from radixflow.runtime.models import UnsupportedModelError
@@ -122,16 +123,26 @@ def test_logits_gather_trims_uneven_vocabulary_shards() -> None:
 
 
 def test_rank0_refuses_to_step_after_a_partial_step_or_a_dead_worker() -> None:
-    """A plan whose forward never reached the logits gather leaves the ranks out of step;
-    a worker that exited leaves the group short: either way no further step is tried."""
+    """A step whose forward raised on rank 0 after its plan went out leaves the ranks out of
+    step; a worker that exited leaves the group short: either way no further step is sent."""
     from radixflow.runtime.tensor_parallel import TensorParallel, TensorParallelError
 
+    sent = []
     tp = TensorParallel(0, 2)
-    tp.pending = True
+    tp._control = lambda header, body=None, timeout=0.0: sent.append(int(header[0]))
+
+    def failing_forward(plan: Any) -> Any:
+        raise RuntimeError("rank 0 failed mid-forward")
+
+    plan, _ = build_plan([], [], 16, ())
+    assert tp.run_step(lambda p: "result", plan) == "result" and not tp.pending
+    with pytest.raises(RuntimeError, match="mid-forward"):
+        tp.run_step(failing_forward, plan)
     with pytest.raises(TensorParallelError, match="out of step"):
         tp.check()
     with pytest.raises(TensorParallelError, match="out of step"):
-        tp.send_plan(None)  # refused before anything is sent
+        tp.run_step(lambda p: "result", plan)
+    assert sent == [1, 1]  # the first two steps' plans only
     tp = TensorParallel(0, 2)
     tp.workers = {1: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])}
     tp.workers[1].wait(30)
