@@ -4,7 +4,7 @@ runtime/tp_worker.py) on CPU with gloo, one torch thread per rank.
 - the head, MLP and vocabulary partitions (even, uneven, replicated KV heads);
 - tp=2 logits within 1e-4 of tp=1 on a ragged step with cached prefixes for a tiny model of
   every family, with 2, 3 and 1 KV heads (even, uneven, replicated over the 2 ranks);
-- `--tp-size 1` never starts torch.distributed;
+- (slow) `--tp-size 1` never starts torch.distributed;
 - a rank killed mid-run: the requests in flight get errors (no hang), the server reports
   unhealthy, restarts both ranks and serves the same tokens again;
 - (slow) two "nodes" on loopback (`--nnodes 2`, `--node-rank 0/1`, one `--dist-init-addr`)
@@ -190,6 +190,7 @@ def test_tiny_families_tp2_logits_match_tp1(tmp_path) -> None:
     assert local_kv_heads["gemma3-kv2"] == 1
 
 
+@pytest.mark.slow  # a fresh interpreter loading torch and transformers: ~10 s of the budget
 def test_tp1_never_starts_torch_distributed(tiny_llama) -> None:
     code = (
         "import sys, torch.distributed as dist\n"
