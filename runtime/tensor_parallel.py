@@ -21,7 +21,8 @@ TCPStore on a socket bound to that address only; the ranks join within JOIN_TIME
 Failure: rank 0 stops stepping once a rank died or a step failed part-way (the ranks would
 be out of step); `check()` then raises, the scheduler process exits, the server fails what
 is in flight and restarts it (as for any dead scheduler), and the ranks rejoin the new one.
-Nothing here runs with `--tp-size 1`: torch.distributed is imported only by this module.
+With `--tp-size 1` this module is never imported (engine.load imports it for N > 1 only), so
+no process group is formed and no collective runs.
 """
 
 from __future__ import annotations
