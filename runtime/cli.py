@@ -7,8 +7,9 @@ Every ServerConfig field is a flag (`--max-total-tokens`, `--self-check/--no-sel
 HTTP (SGLang's native API, OpenAI's /v1, /metrics) is served on `--port` (default 30000) and
 radixflow's ZeroMQ protocol on `--zmq-port` (default 30001); `--port 0` picks both free. The
 server prints one line `radixflow ready on http://HOST:P (HTTP) and tcp://HOST:Q (ZeroMQ)`
-on stdout when it can serve; logs go to stderr. `radixflow scheduler` is the internal entry
-of the scheduler process.
+on stdout when it can serve; logs go to stderr. `radixflow scheduler` and `radixflow
+tp-worker` are the internal entries of the scheduler process and of tensor-parallel ranks
+1..N-1; `serve --node-rank K` (K > 0) runs only node K's ranks (runtime/tp_worker.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from radixflow.runtime.config import add_config_arguments, config_from_args, con
 from radixflow.runtime.lab_cli import LAB_COMMANDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-COMMANDS = ("serve", "bench", "scheduler", *LAB_COMMANDS)
+COMMANDS = ("serve", "bench", "scheduler", "tp-worker", *LAB_COMMANDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     internal.add_argument("--parent-pid", type=int, required=True)
     internal.add_argument("--config-json", required=True)
     internal.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    worker = commands.add_parser("tp-worker", help="(internal) a tensor-parallel rank > 0")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--init-addr", required=True)
+    worker.add_argument("--model-dir", required=True)
+    worker.add_argument("--parent-pid", type=int, required=True)
+    worker.add_argument("--config-json", required=True)
+    worker.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return parser
 
 
@@ -74,11 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_kwargs(**json.loads(args.config_json))
         run_scheduler(config, IpcAddresses(args.ipc_dir), args.parent_pid)
         return 0
+    if args.command == "tp-worker":
+        from pathlib import Path
+
+        from radixflow.runtime.tp_worker import run_worker
+
+        config = config_from_kwargs(**json.loads(args.config_json))
+        return run_worker(config, args.rank, args.init_addr, Path(args.model_dir), args.parent_pid)
     try:
         config = config_from_args(args)
     except ValueError as e:
         print(f"radixflow: {e}", file=sys.stderr)
         return 2
+    if config.node_rank > 0:  # another machine's tensor-parallel ranks; no server here
+        from radixflow.runtime.tp_worker import serve_node
+
+        return serve_node(config)
     if config.dp_size > 1:
         from radixflow.runtime.data_parallel import serve_data_parallel
 

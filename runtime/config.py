@@ -90,6 +90,23 @@ class ServerConfig:
     router_policy: str = _knob(
         "cache_aware", "with --dp-size: sglang-router's --policy (cache_aware, round_robin, ...)"
     )
+    tp_size: int = _knob(
+        1,
+        "tensor-parallel ranks: one model sharded Megatron-style over torch.distributed (gloo "
+        "on CPU, NCCL on CUDA, one GPU per rank); rank 0 schedules and samples",
+    )
+    nnodes: int = _knob(1, "machines the --tp-size ranks span; each runs serve with --node-rank")
+    node_rank: int = _knob(
+        0, "this machine's index among --nnodes: 0 runs the server, others only model ranks"
+    )
+    dist_init_addr: str = _knob(
+        "",
+        "host:port where rank 0 listens for the other ranks to join ('' = a free loopback port; "
+        "required with --nnodes > 1)",
+    )
+    dist_timeout: float = _knob(
+        60.0, "seconds a collective inside the forward waits for a stuck rank before failing"
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -127,6 +144,22 @@ class ServerConfig:
             (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1"),
             (self.threads_per_replica >= 0, "threads_per_replica must be >= 0"),
             (self.router_policy in ROUTER_POLICIES, f"router_policy: {ROUTER_POLICIES}"),
+            (self.tp_size >= 1, "tp_size must be >= 1"),
+            (
+                self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
+                "nnodes must be >= 1 and divide tp_size",
+            ),
+            (0 <= self.node_rank < self.nnodes, "node_rank must be in [0, nnodes)"),
+            (
+                self.nnodes == 1 or _is_host_port(self.dist_init_addr),
+                "--nnodes > 1 needs --dist-init-addr host:port (rank 0's address)",
+            ),
+            (
+                not self.dist_init_addr or _is_host_port(self.dist_init_addr),
+                "dist_init_addr must be host:port",
+            ),
+            (self.dist_timeout > 0, "dist_timeout must be > 0"),
+            (self.tp_size == 1 or self.dp_size == 1, "--tp-size with --dp-size is not supported"),
         ]
         for ok, message in checks:
             if not ok:
@@ -134,6 +167,11 @@ class ServerConfig:
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) < 65536)
 
 
 def config_from_kwargs(**kwargs: Any) -> ServerConfig:

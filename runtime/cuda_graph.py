@@ -60,6 +60,9 @@ def graph_max_bs(config: ServerConfig, model: CausalLM) -> int:
     if model.ops.name != "triton":
         log.info("CUDA graphs off: the %r attention ops are not graph-safe", model.ops.name)
         return 0
+    if config.tp_size > 1:  # every rank would have to capture the same collectives in step
+        log.info("CUDA graphs off: not yet captured under tensor parallelism")
+        return 0
     return min(config.cuda_graph_max_bs, config.max_running_requests)
 
 

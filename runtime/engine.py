@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -55,6 +56,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     hf_config: dict[str, Any]
+    tp: Any = None  # tensor_parallel.TensorParallel of rank 0 with --tp-size > 1
 
 
 def load(config: ServerConfig) -> LoadedModel:
@@ -64,6 +66,11 @@ def load(config: ServerConfig) -> LoadedModel:
     model_dir = resolve_model_dir(config.model_path, config.revision)
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
+    if config.tp_size > 1:  # torch.distributed only on this path
+        from radixflow.runtime.tensor_parallel import start_rank0  # noqa: PLC0415
+
+        model, tp = start_rank0(config, model_dir)
+        return LoadedModel(model, tokenizer, model_dir, hf_config, tp)
     device = pick_device(config.device)
     model = load_model(model_dir, config, device, pick_dtype(config.dtype, device))
     return LoadedModel(model, tokenizer, model_dir, hf_config)
@@ -86,7 +93,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
             f"{model.config.max_position} (max_position_embeddings); it can only cap it"
         )
     context_len = config.context_length or model.config.max_position
-    pool = KVPool(size_kv_pool(config, model, device).num_tokens, config.page_size)
+    num_tokens = size_kv_pool(config, model, device).num_tokens
+    if loaded.tp is not None:  # every rank's pool has the same slots
+        num_tokens = loaded.tp.agree_min(num_tokens)
+    pool = KVPool(num_tokens, config.page_size)
     runner = ModelRunner(
         model,
         pool.num_slots,
@@ -96,6 +106,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         cuda_graph_max_bs=graph_max_bs(config, model),
         max_kv_len=context_len,
     )
+    if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
+        runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
     eos = eos_token_ids(tokenizer, hf_config)
     scheduler = Scheduler(
         config,
@@ -235,6 +247,10 @@ class Engine:
         fixed = (fixed | {"attention_backend"}) & set(changes)
         if fixed:
             raise ValueError(f"with_config cannot change {sorted(fixed)}")
+        if self._loaded.tp is not None:
+            raise ValueError(
+                "with_config cannot share a tensor-parallel model (its ranks hold one KV pool)"
+            )
         engine = Engine.__new__(Engine)
         engine._setup(self.config.replace(**changes), self._loaded)
         return engine
@@ -386,6 +402,9 @@ class Engine:
     def shutdown(self) -> None:
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()
+        if self._loaded.tp is not None:  # stops ranks 1..N-1
+            self._loaded.tp.close()
+            self._loaded.tp = None
 
     def __enter__(self) -> Engine:
         return self

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -44,10 +45,16 @@ class SchedulerLoop:
     updates (stream requests every step, others when finished) and stats."""
 
     def __init__(
-        self, scheduler: Any, inbox: PullQueue[Any], outbox: PushQueue[Any], parent_pid: int
+        self,
+        scheduler: Any,
+        inbox: PullQueue[Any],
+        outbox: PushQueue[Any],
+        parent_pid: int,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
         self.parent_pid = parent_pid
+        self.check = check  # tensor parallel: raises once a rank is gone (this process exits)
         self.live: dict[str, Req] = {}
         self.sent: dict[str, int] = {}  # output ids already sent, by rid
         self.touched: list[Req] = []
@@ -57,6 +64,8 @@ class SchedulerLoop:
     def run(self) -> bool:
         """Until a Shutdown message (returns False), or the server process is gone (True)."""
         while os.getppid() == self.parent_pid:
+            if self.check is not None:
+                self.check()
             messages = self.inbox.drain(0 if self.scheduler.has_work else IDLE_WAIT_MS)
             if any(isinstance(m, Shutdown) for m in messages):
                 return False
@@ -175,13 +184,21 @@ def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int
     inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
     outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
     bundle = build_scheduler(config)
+    tp = bundle.loaded.tp
     outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
+    stopped = False  # told to stop, or orphaned: the other ranks stop too
     try:
-        if SchedulerLoop(bundle.scheduler, inbox, outbox, parent_pid).run():
+        loop = SchedulerLoop(
+            bundle.scheduler, inbox, outbox, parent_pid, tp.check if tp is not None else None
+        )
+        if loop.run():
             remove_ipc_dir(addresses)  # nobody else will
+        stopped = True
     finally:
         if bundle.scheduler.grammars is not None:
             bundle.scheduler.grammars.shutdown()
+        if tp is not None:
+            tp.close(stop=stopped)
         inbox.close()
         outbox.close()
         ctx.term()

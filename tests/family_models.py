@@ -99,11 +99,12 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def build_hf_model(family: str) -> transformers.PreTrainedModel:
+def build_hf_model(family: str, **overrides: Any) -> transformers.PreTrainedModel:
     """transformers' model of `family` with random weights: every norm, bias and matrix
-    drawn, so a skipped bias, norm or offset changes the logits."""
+    drawn, so a skipped bias, norm or offset changes the logits. `overrides` change the
+    config (head counts for the tensor-parallel tests)."""
     config_class, extra = _configs()[family]
-    config = config_class(**{**COMMON, **extra})
+    config = config_class(**{**COMMON, **extra, **overrides})
     torch.manual_seed(sum(map(ord, family)))
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     gemma = family.startswith("gemma")
@@ -133,10 +134,13 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def save_family(family: str, root: Path) -> tuple[Path, transformers.PreTrainedModel]:
-    """Write `family`'s tiny checkpoint (config.json, safetensors, tokenizer) under root."""
-    model = build_hf_model(family)
-    path = root / family
+def save_family(
+    family: str, root: Path, name: str = "", **overrides: Any
+) -> tuple[Path, transformers.PreTrainedModel]:
+    """Write `family`'s tiny checkpoint (config.json, safetensors, tokenizer) under
+    root / (name or family); `overrides` as for build_hf_model."""
+    model = build_hf_model(family, **overrides)
+    path = root / (name or family)
     model.save_pretrained(path, safe_serialization=True)
     tiny_tokenizer().save_pretrained(path)
     return path, model

@@ -14,6 +14,7 @@ scaled embeddings, sandwich norms, GELU, query pre-attention scaling and logit s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,6 +382,8 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = Rope(config, config.rope_theta, config.rope_scaling)
         self.sliding_rope = Rope(config, *config.sliding_rope) if config.sliding_rope else None
+        # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -403,7 +406,10 @@ class CausalLM(nn.Module):
         c = self.config
         hidden = rms_norm(hidden, self.norm, c.rms_norm_eps, c.norm_offset)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()  # (R, vocab)
+        logits = F.linear(hidden, weight)  # (R, vocab), or this rank's vocabulary shard
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
+        logits = logits.float()
         if c.final_logit_cap:
             logits = torch.tanh(logits / c.final_logit_cap) * c.final_logit_cap
         return logits
