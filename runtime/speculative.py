@@ -51,10 +51,11 @@ if TYPE_CHECKING:
 
 ORDERS = (4, 3, 2)  # n-gram lengths matched, longest first
 TREE_TABLE_CAPACITY = 1 << 20  # tokens kept for tree drafts; cleared when full
-# Forward time of one extra draft row relative to a one-row decode step. A rough estimate
-# (SmolLM2 135M fp32, 2 shared CPU cores: an 8-row extend took about 1.3x a one-row decode,
-# i.e. ~0.04 a row), rounded up so that junk drafts do not pay; re-measure on a quiet machine.
-ROW_COST = 0.08
+# Forward time of one extra draft row relative to a one-row decode step, measured (SmolLM2
+# 135M fp32, 2 threads, contexts of 300 and 1000 tokens, min of 30 interleaved runs on a shared
+# 2-core machine): 1+k rows took 1.09-1.10x (k=1), 1.18-1.20x (2), 1.53-1.59x (4) and
+# 1.96-2.20x (8) a one-row decode; the least-squares slope is 0.12-0.14 a row.
+ROW_COST = 0.13
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 0.5
 DECAY = 0.85  # weight of history in the acceptance estimate, per verify step
 PROBE_EVERY = 16  # steps with k = 0 before a short probe
