@@ -10,11 +10,11 @@ What makes it fast on CPU, each measured when it went in:
     800-token prefix: 53 -> 3 ms per layer);
   - attention goes through torch's fused CPU kernel, which also returns the log-sum-exp,
     with the query heads of one KV head as extra query rows (no GQA expansion);
-  - a decode whose own keys lie in a few runs of consecutive slots (the KV pool allocates
-    each request's slots as contiguous runs) is attended over views of the pool, one fused
-    call per run, instead of a gathered copy (64 decodes of 1,000 keys: 83 -> 20 ms per
-    layer, 1 thread; still ahead at 100 keys); fragmented requests are gathered, with
-    index_select (about 2x advanced indexing).
+  - a long decode (VIEW_MIN_KEYS) whose own keys lie in a few runs of consecutive slots (the
+    KV pool allocates each request's slots as contiguous runs) is attended over views of
+    the pool, one fused call per run, instead of a gathered copy (64 decodes of 1,000 keys
+    alone: 83 -> 20 ms per layer on 1 thread, 14.4 -> 12.6 ms on 2); the others are
+    gathered, with index_select (about 2x advanced indexing).
 Metadata and pool conventions are the reference's. Math in fp32; outputs in q's dtype.
 """
 
@@ -171,7 +171,12 @@ def decode_attention(
     return out.to(q.dtype)
 
 
-VIEW_MIN_KEYS = 32  # shorter requests are cheaper gathered into one padded batch
+# Requests with fewer keys are gathered into one padded batch. Alone, a view beats the gather
+# from 100 keys on (1 and 2 threads), but in the engine at 2 threads, 64 streams of 25-75 keys
+# ran at 164 tok/s with views from 32 keys against 229 gathered (one fused call per request
+# per layer costs more there than it saves); views are kept for long requests, where the
+# gathered bytes rival the weights'. The in-engine crossover is not measured yet.
+VIEW_MIN_KEYS = 1024
 MAX_VIEW_RUNS = 8  # more runs than this: gathered (one fused call per run does not pay)
 
 

@@ -180,11 +180,12 @@ class ContiguousPool(PagedPool):
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("extra", [{}, {"logit_cap": 5.0}, {"sliding_window": 40}])
 def test_cpu_decode_reads_contiguous_runs_as_views(
-    group: int, dtype: torch.dtype, extra: dict
+    group: int, dtype: torch.dtype, extra: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Requests whose keys lie in a few runs of consecutive slots (one run; a shared prefix
     run then their own; two own runs; more runs than MAX_VIEW_RUNS: gathered) are attended
     over views of the pool, and the result is the spec's. fp32 views copy nothing."""
+    monkeypatch.setattr(cpu_attention, "VIEW_MIN_KEYS", 32)  # small shapes, same paths
     pool = ContiguousPool(4000, dtype, seed=group)
     prefix = pool.alloc(100)
     pieces = [pool.alloc(n) for n in (40, 30, 20, *[10] * 10)]
