@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from family_models import FAMILIES, WINDOW, one_thread, save_family, save_gemma3_multimodal
+from tp_ranks import ragged_logits
 
 from radixflow.kernels import CPU_OPS, REFERENCE_OPS
 from radixflow.runtime import Engine
@@ -67,50 +68,8 @@ def test_ragged_logits_match_transformers(checkpoints, family, ops):
     path, hf_model = checkpoints[family]
     model = load_model(path, ServerConfig(), torch.device("cpu"), torch.float32)
     model.ops = ops
-    cfg = model.config
-    k = torch.zeros(cfg.num_layers, 512, cfg.num_kv_heads, cfg.head_dim)
-    v = torch.zeros_like(k)
-    free = (1 + torch.randperm(511, generator=torch.Generator().manual_seed(0))).tolist()
-    s0, s1, s2 = _ids(1, 30), _ids(2, PREFIX_LEN + 14), _ids(3, 41)
-    warm = [s1[:PREFIX_LEN], s2[:-1]]
-    warm_slots = [[free.pop() for _ in w] for w in warm]
-    n_warm = sum(map(len, warm))
-    model(
-        ForwardBatch(
-            input_ids=_t(warm[0] + warm[1]),
-            positions=_t(list(range(len(warm[0]))) + list(range(len(warm[1])))),
-            out_slots=_t(warm_slots[0] + warm_slots[1]),
-            num_extend_tokens=n_warm,
-            extend_qo_indptr=_t([0, len(warm[0]), n_warm]),
-            extend_kv_indptr=_t([0, 0, 0]),
-            extend_kv_indices=_t([]),
-            decode_kv_indptr=_t([0]),
-            decode_kv_indices=_t([]),
-            logit_rows=_t([0]),
-        ),
-        k,
-        v,
-    )
-    new0 = [free.pop() for _ in s0]
-    new1 = [free.pop() for _ in s1[PREFIX_LEN:]]
-    dec_slot = free.pop()
-    n_ext = len(s0) + len(new1)
-    logits = model(
-        ForwardBatch(
-            input_ids=_t(s0 + s1[PREFIX_LEN:] + [s2[-1]]),
-            positions=_t(list(range(len(s0))) + list(range(PREFIX_LEN, len(s1))) + [40]),
-            out_slots=_t(new0 + new1 + [dec_slot]),
-            num_extend_tokens=n_ext,
-            extend_qo_indptr=_t([0, len(s0), n_ext]),
-            extend_kv_indptr=_t([0, 0, PREFIX_LEN]),
-            extend_kv_indices=_t(warm_slots[0]),
-            decode_kv_indptr=_t([0, len(s2)]),
-            decode_kv_indices=_t(warm_slots[1] + [dec_slot]),
-            logit_rows=_t(list(range(n_ext + 1))),
-        ),
-        k,
-        v,
-    )
+    logits = ragged_logits(model)  # the step tests/test_tensor_parallel.py shards too
+    s0, s1, s2 = _ids(1, 30), _ids(2, PREFIX_LEN + 14), _ids(3, 41)  # its prompts
     expected = [_hf_logits(hf_model, s) for s in (s0, s1, s2)]
     want = torch.cat([expected[0], expected[1][PREFIX_LEN:], expected[2][-1:]])
     err = (logits - want).abs().max().item()
