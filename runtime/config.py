@@ -83,6 +83,11 @@ class ServerConfig:
         "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
     )
     speculative_num_draft_tokens: int = _knob(8, "most draft tokens verified per request a step")
+    speculative_disable_by_batch_size: int = _knob(
+        4,
+        "no drafts while more requests than this decode at once (verify rows cost more than "
+        "they save in a large batch); 0 = speculate at any batch size (vLLM's name)",
+    )
     dp_size: int = _knob(
         1, "data-parallel replicas (own scheduler and KV pool each) behind sglang-router on --port"
     )
@@ -132,6 +137,10 @@ class ServerConfig:
             (
                 1 <= self.speculative_num_draft_tokens <= 31,
                 "speculative_num_draft_tokens must be in [1, 31]",
+            ),
+            (
+                self.speculative_disable_by_batch_size >= 0,
+                "speculative_disable_by_batch_size must be >= 0",
             ),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
             (

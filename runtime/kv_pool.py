@@ -12,6 +12,12 @@ views of the pool instead of gathering copies: `alloc_pages(count, after=page)` 
 run right after `page` when those pages are free, and a new run is placed next-fit after a
 cursor with `gap` free pages left behind it, so the request can grow into them. The gap is
 not reserved: every free page stays allocatable, and a full pool hands out scattered pages.
+
+A new run with a gap starts on a multiple of its footprint (count + gap, rounded up to a
+power of two): requests admitted together with alike footprints then sit at one stride, and
+the CPU decode reads the whole batch's keys as one strided view of the pool (a grid, in
+radixflow.kernels.cpu_attention) instead of gathering them. The pages skipped to align stay
+free for anyone.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ class KVPool:
         """`count` free pages: consecutive with `gap` free pages after them if a window past
         the cursor has room, else consecutive, else the first free pages from the cursor."""
         for want in (count + gap, count) if gap else (count,):
-            first = self._find_run(want)
+            align = 1 << (want - 1).bit_length() if want > count else 1  # footprint: pow2
+            first = self._find_run(want, align)
             if first >= 0:
                 self._cursor = first + want if first + want < self.num_pages else 1
                 return list(range(first, first + count))
@@ -84,17 +91,19 @@ class KVPool:
         self._cursor = int(picked[-1]) + 1 if int(picked[-1]) + 1 < self.num_pages else 1
         return picked.tolist()
 
-    def _find_run(self, length: int) -> int:
-        """First page of `length` free pages in a row within SEARCH_WINDOW pages from the
-        cursor (wrapping to the start once), or -1."""
+    def _find_run(self, length: int, align: int = 1) -> int:
+        """First page, a multiple of `align`, of `length` free pages in a row within
+        SEARCH_WINDOW pages from the cursor (wrapping to the start once), or -1."""
         for lo in (self._cursor, 1):
-            hi = min(lo + max(SEARCH_WINDOW, 2 * length), self.num_pages)
+            hi = min(lo + max(SEARCH_WINDOW, 2 * length + align), self.num_pages)
             free = np.concatenate([[False], self._is_free[lo:hi], [False]]).astype(np.int8)
             edges = np.diff(free)
-            begins, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-            fits = np.flatnonzero(ends - begins >= length)
+            begins = lo + np.flatnonzero(edges == 1)
+            ends = lo + np.flatnonzero(edges == -1)
+            starts = -(-begins // align) * align
+            fits = np.flatnonzero(ends - starts >= length)
             if fits.size:
-                return lo + int(begins[fits[0]])
+                return int(starts[fits[0]])
         return -1
 
     def incref(self, pages: np.ndarray | list[int]) -> None:

@@ -89,6 +89,19 @@ def _takes(ops: AttentionOps, keyword: str) -> bool:
     return all(keyword in inspect.signature(f).parameters for f in functions)
 
 
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache. Masked reads of slots never written (the padded slot 0, the
+    CPU decode's grid view past a request's own keys) must be finite: 0 * NaN would leak
+    through the mask. On CPU the zeros come from calloc (numpy), so pages the pool never
+    touches cost no memory, as with torch.empty; bfloat16 goes through uint16 storage."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    storage = {torch.bfloat16: np.uint16}.get(dtype)
+    if storage is None:
+        return torch.from_numpy(np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    return torch.from_numpy(np.zeros(shape, dtype=storage)).view(dtype)
+
+
 class ModelRunner:
     """`cuda_graph_max_bs` > 0 replays decode steps from CUDA graphs (runtime/cuda_graph.py;
     `graph_backend` "record" is its CPU stand-in for tests); `shared_prefix` False is the
@@ -111,12 +124,8 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         c = model.config
         shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
-        # Uninitialised except page 0: only written slots are read, and padded reads of the
-        # dummy slot 0 must be finite (they are masked, and 0 * NaN would leak through).
-        self.k_caches = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v_caches = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.k_caches[:, :page_size].zero_()
-        self.v_caches[:, :page_size].zero_()
+        self.k_caches = zeroed_cache(shape, self.dtype, self.device)
+        self.v_caches = zeroed_cache(shape, self.dtype, self.device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.vocab_size = c.vocab_size
         self.inputs = StepInputs(model, shared_prefix)

@@ -1,11 +1,16 @@
 """Cost models for `radixflow simulate`: how long one forward step of a batch plan takes.
 
-A step is described by four numbers (`StepShape`): prefill (extend) tokens, decode rows,
-KV tokens the decodes read, and prefill attention pairs (query x key). Two kinds of profile:
+A step is described by five numbers (`StepShape`): prefill (extend) tokens, decode rows,
+KV tokens the decodes read, prefill attention pairs (query x key, causal) and the prefill
+attention area (the padded query x key rectangle a dense masked kernel computes: the CPU
+path pads every extend to the batch's longest and masks, so one whole 3,000-token prompt
+costs twice its causal pairs). Two kinds of profile:
 
 * `LinearProfile` - measured on this machine (`radixflow simulate --calibrate PATH`): the
   real ModelRunner runs a set of prefill, decode and mixed steps, and least squares fits
-  t = overhead + per_extend_token*E + per_decode_row*D + per_kv_token*K + per_pair*P.
+  t = overhead + per_extend_token*E + per_decode_row*D + per_kv_token*K + per_pair*P
+  + per_area*A. The steps include whole long prompts as well as chunks of them, so the
+  fit can tell the pairs from the area.
 * `RooflineProfile` - a named device/model pair from first principles, for planning
   hardware you do not have. t = overhead + max(bytes moved / bandwidth, decode FLOPs /
   peak + prefill FLOPs / (peak * MFU)): one weight read serves every row of a step. Bytes
@@ -41,17 +46,20 @@ class StepShape:
     decode_rows: int
     decode_kv_tokens: int
     attention_pairs: float
+    attention_area: float = 0.0
 
     @staticmethod
     def of(plan: BatchPlan) -> StepShape:
         new = np.diff(plan.extend_qo_indptr)
         prefix = np.diff(plan.extend_kv_indptr)
         pairs = float((new * prefix + new * (new + 1) / 2).sum())
+        area = float(len(new) * new.max() * (prefix.max() + new.max())) if len(new) else 0.0
         return StepShape(
             plan.num_extend_tokens,
             len(plan.decode_kv_indptr) - 1,
             len(plan.decode_kv_indices),
             pairs,
+            area,
         )
 
     def features(self) -> list[float]:
@@ -61,6 +69,7 @@ class StepShape:
             self.decode_rows,
             self.decode_kv_tokens,
             self.attention_pairs,
+            self.attention_area,
         ]
 
 
@@ -72,6 +81,7 @@ class LinearProfile:
     per_decode_row_s: float
     per_kv_token_s: float
     per_pair_s: float
+    per_area_s: float = 0.0  # profiles saved before the area term read as 0
     kind: str = "linear"
     notes: str = ""
 
@@ -82,6 +92,7 @@ class LinearProfile:
             self.per_decode_row_s,
             self.per_kv_token_s,
             self.per_pair_s,
+            self.per_area_s,
         )
         return float(np.dot(coefficients, shape.features()))
 

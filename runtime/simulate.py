@@ -297,8 +297,9 @@ class TimedRunner:
 
 
 def calibrate(model: str = "smollm2", **config: Any) -> Any:
-    """Measure this machine: prefill, decode (batch 1..32, short and long KV) and mixed
-    steps on the real model, then fit a LinearProfile. Loads the model (torch)."""
+    """Measure this machine: prefill (chunked and whole, up to 3,000 tokens), decode (batch
+    1..16, short and long KV) and mixed steps on the real model, then fit a LinearProfile.
+    Loads the model (torch)."""
     import os  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -309,21 +310,25 @@ def calibrate(model: str = "smollm2", **config: Any) -> Any:
     with Engine(model=model, **config) as engine:
         timed = TimedRunner(engine.scheduler.runner, time.perf_counter)
         engine.scheduler.runner = timed
+        # whole prompts (chunking off), as the static and continuous modes prefill them
+        whole = engine.with_config(chunked_prefill_size=-1)
+        whole.scheduler.runner = TimedRunner(whole.scheduler.runner, time.perf_counter)
+        whole.scheduler.runner.samples = timed.samples
 
-        def run(lengths: list[int], new: int, late: list[int] = ()) -> None:
+        def run(lengths: list[int], new: int, late: list[int] = (), on: Engine = engine) -> None:
             ids = [rng.integers(100, 20000, n).tolist() for n in lengths]
             params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
-            engine.submit(input_ids=ids, sampling_params=params)
+            on.submit(input_ids=ids, sampling_params=params)
             for _ in range(3):
-                engine.step()
+                on.step()
             if late:
-                engine.submit(
+                on.submit(
                     input_ids=[rng.integers(100, 20000, n).tolist() for n in late],
                     sampling_params={**params, "max_new_tokens": 1},
                 )
-            while engine.step():
+            while on.step():
                 pass
-            engine.flush_cache()
+            on.flush_cache()
 
         run([64], 2)  # warm-up, dropped below
         timed.samples.clear()
@@ -333,6 +338,12 @@ def calibrate(model: str = "smollm2", **config: Any) -> Any:
             run([16] * batch, 6)
         run([400] * 2, 6)  # decodes over longer KV
         run([24] * 4, 10, late=[700])  # chunks mixed with decodes
+        # long prompts, whole and in chunks: a whole one costs its padded attention area,
+        # twice its causal pairs, which short prompts alone cannot tell apart
+        run([3000], 1)
+        for n in (1500, 3000):
+            run([n], 1, on=whole)
+        run([24] * 4, 10, late=[3000], on=whole)  # a whole long prompt beside decodes
         shapes, times = zip(*timed.samples)
     notes = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, load average "

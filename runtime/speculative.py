@@ -153,10 +153,16 @@ class Speculator:
     def __init__(self, config: ServerConfig, eos_token_ids: tuple[int, ...]) -> None:
         self.enabled = config.speculative_algorithm == "ngram"
         self.max_drafts = config.speculative_num_draft_tokens
+        self.max_batch = config.speculative_disable_by_batch_size  # 0 = no limit
         self.eos_token_ids = eos_token_ids
         self.tree = NgramTable()
         self.verifying: list[Req] = []
-        self.counters = {"spec_verify_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
+        self.counters = {
+            "spec_verify_steps": 0,
+            "spec_proposed": 0,
+            "spec_accepted": 0,
+            "spec_batch_off_steps": 0,  # steps without drafts: the batch was too large
+        }
 
     # ---- before the forward ---------------------------------------------------------------
 
@@ -167,6 +173,11 @@ class Speculator:
         `spare_pages` new pages in all); return those that verify this step."""
         self.verifying = []
         if not self.enabled:
+            return []
+        if self.max_batch and len(running) > self.max_batch:
+            for req in running:
+                req.draft_ids = []
+            self.counters["spec_batch_off_steps"] += 1
             return []
         for req in running:
             req.draft_ids = []

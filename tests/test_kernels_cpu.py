@@ -216,6 +216,85 @@ def test_cpu_decode_reads_contiguous_runs_as_views(
         assert view.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
 
 
+class StridedPool(PagedPool):
+    """Runs placed on one stride, as the KV pool places requests admitted together; the
+    slots nobody wrote are zero (the runner's pool is zero-filled), slot 0 included."""
+
+    def __init__(self, num_slots: int, dtype: torch.dtype, seed: int, stride: int) -> None:
+        super().__init__(num_slots, 1, dtype, seed)
+        self.k.zero_()
+        self.v.zero_()
+        self.stride = stride
+
+    def write(self, first: int, n: int) -> torch.Tensor:
+        slots = torch.arange(first, first + n)
+        self.k[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        self.v[slots] = torch.randn((n, NUM_KV_HEADS, HEAD_DIM), generator=self.gen).to(self.dtype)
+        return slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("extra", [{}, {"logit_cap": 5.0}, {"sliding_window": 40}])
+def test_cpu_decode_reads_a_strided_batch_as_one_grid(
+    group: int, dtype: torch.dtype, extra: dict
+) -> None:
+    """Requests on one stride (a hole where one finished; one whose run starts 2 slots into
+    its row behind a 1-key head cached elsewhere; unequal lengths; a sliding window cutting
+    their first keys) form one grid: a single strided view of an fp32 pool. Requests off
+    the stride are gathered. Equal to the spec."""
+    pool = StridedPool(2000, dtype, seed=group, stride=128)
+    head = pool.write(1900, 1)
+    lens = {1: 40, 2: 33, 3: 47, 5: 29, 6: 45}  # grid row -> length; row 4 is a hole
+    requests = [pool.write(128 * k, n) for k, n in lens.items()]
+    requests.append(torch.cat([head, pool.write(128 * 7 + 2, 30)]))  # offset 2, head
+    requests.append(pool.write(128 * 3 + 60, 20))  # off the stride
+    args = (pool.queries(len(requests), group), pool.k, pool.v)
+    args += (indptr([len(r) for r in requests]), torch.cat(requests), HEAD_DIM**-0.5)
+    window = {k: v for k, v in extra.items() if k == "sliding_window"}
+    layout = cpu_attention.decode_layout(*args[3:5], **window)
+    grid = layout.grid
+    assert grid is not None and grid.stride == 128 and grid.count == 7
+    assert sorted(grid.rows.tolist()) == [0, 1, 2, 3, 4, 5]
+    assert torch.cat([g[0] for g in layout.groups]).tolist() == [6]
+    assert [h[0].tolist() for h in layout.heads] == [[5]]  # merged by log-sum-exp
+    out = cpu_attention.decode_attention(*args, layout=layout, **extra)
+    assert_close(out, reference.decode_attention(*args, **extra))
+    keys = cpu_attention._grid_keys(pool.k, grid)
+    shares = keys.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
+    assert shares == (dtype == torch.float32)  # fp32: a view, no copy
+
+
+def test_cpu_decode_grid_past_the_pool_end_is_gathered() -> None:
+    """A grid whose last row would leave the pool reads its keys by gathering instead."""
+    pool = StridedPool(64 * 4 + 20, torch.float32, seed=9, stride=64)
+    requests = [pool.write(64 * k, n) for k, n in ((1, 30), (2, 25), (3, 31), (4, 18))]
+    args = (pool.queries(4, 3), pool.k, pool.v, indptr([30, 25, 31, 18]), torch.cat(requests))
+    args += (HEAD_DIM**-0.5,)
+    layout = cpu_attention.decode_layout(*args[3:5])
+    assert layout.grid is not None and layout.grid.count == 4
+    keys = cpu_attention._grid_keys(pool.k, layout.grid)
+    assert keys.untyped_storage().data_ptr() != pool.k.untyped_storage().data_ptr()
+    assert_close(
+        cpu_attention.decode_attention(*args, layout=layout), reference.decode_attention(*args)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_runner_kv_cache_is_zero_filled(dtype: torch.dtype) -> None:
+    """The grid's masked columns read slots nobody wrote: the runner's pool must hold zeros
+    there, even in memory a freed NaN tensor just gave back to the allocator."""
+    from radixflow.runtime.model_runner import zeroed_cache
+
+    shape = (2, 300, NUM_KV_HEADS, HEAD_DIM)
+    for _ in range(3):
+        junk = torch.full(shape, float("nan"), dtype=dtype)
+        del junk
+        cache = zeroed_cache(shape, dtype, torch.device("cpu"))
+        assert cache.dtype == dtype and cache.shape == shape and cache.is_contiguous()
+        assert not cache.float().isnan().any() and cache.float().abs().sum() == 0
+
+
 def test_slot_runs() -> None:
     runs = cpu_attention.slot_runs(indptr([3, 0, 4, 1]), torch.tensor([5, 6, 7, 8, 9, 20, 21, 2]))
     assert runs == [[(5, 3)], [], [(8, 2), (20, 2)], [(2, 1)]]

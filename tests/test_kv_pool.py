@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import pytest
+
 from radixflow.runtime.kv_pool import KVPool, run_hint
 
 
@@ -17,8 +20,30 @@ def test_a_request_grows_its_run_into_the_gap_left_after_it() -> None:
     for _ in range(50):  # a decodes one page at a time, right after its last page
         a += pool.alloc_pages(1, *run_hint(a, future_slots=10, page_size=1))
     assert a == list(range(a[0], a[0] + 70))
-    c = pool.alloc_pages(1, *run_hint(a, 0, 1))  # a's gap is used up: b's run is in the way
+    while a[-1] + 1 < b[0]:  # the alignment slack before b is free for a too
+        a += pool.alloc_pages(1, *run_hint(a, future_slots=0, page_size=1))
+    assert a == list(range(a[0], b[0]))
+    c = pool.alloc_pages(1, *run_hint(a, 0, 1))  # a's room is used up: b's run is in the way
     assert c[0] not in b and c[0] != a[-1] + 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_runs_admitted_together_sit_at_one_stride(page_size: int) -> None:
+    """New runs with a gap start on multiples of their power-of-two footprint, so a batch
+    of alike requests lands at one stride (the CPU decode's grid view); a run without a gap
+    is not aligned."""
+    pool = KVPool(num_slots=64 * 1024, page_size=page_size)
+    plain = pool.alloc_pages(3)
+    starts = []
+    for prompt in (9, 17, 30, 25, 12):  # tokens; 128 more to come each
+        pages = -(-prompt // page_size)
+        got = pool.alloc_pages(pages, *run_hint([], 128, page_size))
+        assert got == list(range(got[0], got[0] + pages))
+        starts.append(got[0] * page_size)
+    assert plain == [1, 2, 3]
+    strides = np.diff(starts)
+    assert (strides == strides[0]).all() and strides[0] >= 128 + 30
+    assert all(start % strides[0] == 0 for start in starts)
 
 
 def test_pages_scatter_when_no_run_is_free_and_are_never_refused() -> None:

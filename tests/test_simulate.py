@@ -92,6 +92,42 @@ def test_linear_fit_recovers_known_costs() -> None:
         assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-3)
 
 
+def test_linear_fit_tells_padded_area_from_causal_pairs() -> None:
+    """A whole prompt of n tokens costs its padded n x n area (the CPU extend's dense mask),
+    a chunk over a long prefix about its pairs; a fit on both recovers each coefficient."""
+    truth = LinearProfile("truth", 0.05, 0.0015, 0.004, 0.0, 2e-7, 4e-7)
+    shapes = []
+    for n in (256, 512, 1000, 1500, 2000, 3000):
+        shapes.append(StepShape(n, 0, 0, n * (n + 1) / 2, float(n * n)))  # whole
+        for start in range(0, n, 512):  # chunks over the growing prefix
+            c = min(512, n - start)
+            shapes.append(StepShape(c, 4, 400, c * start + c * (c + 1) / 2, c * (start + c)))
+    fit = LinearProfile.fit("fit", shapes, [truth.step_time(s) for s in shapes])
+    assert fit.per_area_s == pytest.approx(4e-7, rel=1e-3)
+    assert fit.per_pair_s == pytest.approx(2e-7, rel=1e-3)
+
+
+def test_step_shape_counts_the_padded_area() -> None:
+    """Two extends, 3 new over 10 cached and 5 new over none: causal pairs 3*10 + 6 + 15,
+    padded area 2 x 5 x (10 + 5) (each padded to the longest in both)."""
+    from radixflow.runtime.batch import BatchPlan
+
+    i64 = np.int64
+    plan = BatchPlan(
+        input_ids=np.zeros(9, i64), positions=np.zeros(9, i64), out_slots=np.zeros(9, i64),
+        num_extend_tokens=8,
+        extend_qo_indptr=np.array([0, 3, 8], i64), extend_kv_indptr=np.array([0, 10, 10], i64),
+        extend_kv_indices=np.arange(10, dtype=i64),
+        decode_kv_indptr=np.array([0, 7], i64), decode_kv_indices=np.arange(7, dtype=i64),
+        logit_rows=np.array([2, 7, 8], i64), logprob_targets=np.full(3, -1, i64),
+        sample_rows=np.arange(3, dtype=i64),
+    )  # fmt: skip
+    shape = StepShape.of(plan)
+    assert (shape.extend_tokens, shape.decode_rows, shape.decode_kv_tokens) == (8, 1, 7)
+    assert shape.attention_pairs == 3 * 10 + 6 + 15
+    assert shape.attention_area == 2 * 5 * (10 + 5)
+
+
 def test_profiles_load_by_name_and_file(tmp_path) -> None:
     assert load_profile("h100-llama-3.3-70b-fp8") is H100
     assert H100.kv_bytes_per_token == 163_840

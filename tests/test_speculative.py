@@ -27,7 +27,8 @@ from radixflow.runtime.sampling import SamplingParams
 from radixflow.runtime.scheduler import Scheduler
 from radixflow.runtime.speculative import NgramTable, best_num_drafts
 
-NGRAM = {"speculative_algorithm": "ngram"}
+# exactness is checked at every batch size, above the default batch limit too
+NGRAM = {"speculative_algorithm": "ngram", "speculative_disable_by_batch_size": 0}
 
 
 # ---- drafting --------------------------------------------------------------------------------
@@ -92,6 +93,36 @@ def test_fake_outputs_equal_with_and_without_speculation(config: dict) -> None:
     stats = sched.stats()
     assert stats["spec_accepted"] > 0 and stats["spec_proposed"] > stats["spec_accepted"]
     assert stats["forward_steps"] < run_fake(config, False)[1].stats()["forward_steps"]
+
+
+def test_no_drafts_while_the_batch_is_above_the_limit() -> None:
+    """--speculative-disable-by-batch-size 3: while more than three requests decode none
+    gets drafts; with three or fewer left they draft again. Outputs stay those without."""
+
+    def run(**config) -> tuple[list[list[int]], Scheduler, list[tuple[int, int]]]:
+        sched, _ = make_scheduler(**config)
+        sched.runner = RepetitiveRunner()
+        seen: list[tuple[int, int]] = []  # (decoding requests, verifying requests) per step
+        propose = sched.spec.propose
+        sched.spec.propose = lambda running, *a: (
+            seen.append((len(running), len(out := propose(running, *a)))) or out
+        )
+        reqs = [
+            make_req(f"r{i}", p, 10 + 10 * i, ignore_eos=True)
+            for i, (p, _) in enumerate(workload(3, 6))
+        ]
+        for req in reqs:
+            sched.add_request(req)
+        run_all(sched)
+        return [r.output_ids for r in reqs], sched, seen
+
+    plain, _, _ = run()
+    limited, sched, seen = run(speculative_algorithm="ngram", speculative_disable_by_batch_size=3)
+    assert limited == plain
+    assert all(verifying == 0 for decoding, verifying in seen if decoding > 3)
+    assert any(verifying > 0 for decoding, verifying in seen if decoding <= 3)
+    assert any(decoding > 3 for decoding, _ in seen)
+    assert sched.stats()["spec_batch_off_steps"] > 0
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -330,7 +330,13 @@ def test_engine_tp2_sampling_features_match_tp1(tiny_llama) -> None:
     ]
     outs = []
     for tp in (1, 2):
-        with Engine(model=str(tiny_llama), tp_size=tp, speculative_algorithm="ngram", **TINY) as e:
+        with Engine(
+            model=str(tiny_llama),
+            tp_size=tp,
+            speculative_algorithm="ngram",
+            speculative_disable_by_batch_size=0,
+            **TINY,
+        ) as e:
             outs.append([[o["output_ids"] for o in e.generate(prompts, p)] for p in runs])
             assert e.stats()["spec_verify_steps"] > 0  # drafts were verified
     assert outs[0] == outs[1]
