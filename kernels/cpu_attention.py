@@ -167,25 +167,38 @@ def decode_attention(
     hkv, (_, h, d) = k_buffer.shape[1], q.shape
     if layout.grid is not None:
         grid = layout.grid
-        queries = torch.zeros((grid.count, hkv, h // hkv, d), device=q.device)
-        queries[grid.region] = q[grid.rows].float().view(-1, hkv, h // hkv, d)
+        whole = grid.in_order and grid.count == q.shape[0]  # the batch in grid order
+        if whole:
+            queries = q.float().view(grid.count, hkv, h // hkv, d)
+        else:
+            queries = torch.zeros((grid.count, hkv, h // hkv, d), device=q.device)
+            queries.index_copy_(
+                0, grid.region, q.index_select(0, grid.rows).float().view(-1, hkv, h // hkv, d)
+            )
         keys, values = _grid_keys(k_buffer, grid), _grid_keys(v_buffer, grid)
         grid_out, grid_lse = _flash_with_lse(queries, keys, values, grid.bias, sm_scale, logit_cap)
-        out[grid.rows] = grid_out[grid.region].reshape(-1, h, d)
-        lse[grid.rows] = grid_lse[grid.region].reshape(-1, h)
+        if whole:
+            out, lse = grid_out.reshape(-1, h, d), grid_lse.reshape(-1, h)
+        else:
+            out.index_copy_(0, grid.rows, grid_out.index_select(0, grid.region).reshape(-1, h, d))
+            lse.index_copy_(0, grid.rows, grid_lse.index_select(0, grid.region).reshape(-1, h))
     for rows, kv_index, mask, bias in layout.heads:
         part, part_lse = _group_attention(
             q, k_buffer, v_buffer, rows, kv_index, mask, bias, sm_scale, logit_cap
         )
-        top = torch.maximum(lse[rows], part_lse)
-        w_rest, w_part = torch.exp(lse[rows] - top), torch.exp(part_lse - top)
+        rest, rest_lse = out.index_select(0, rows), lse.index_select(0, rows)
+        top = torch.maximum(rest_lse, part_lse)
+        w_rest, w_part = torch.exp(rest_lse - top), torch.exp(part_lse - top)
         total = w_rest + w_part
-        out[rows] = (out[rows] * w_rest[..., None] + part * w_part[..., None]) / total[..., None]
-        lse[rows] = top + torch.log(total)
+        merged = (rest * w_rest[..., None] + part * w_part[..., None]) / total[..., None]
+        out.index_copy_(0, rows, merged)
+        lse.index_copy_(0, rows, top + torch.log(total))
     for rows, kv_index, mask, bias in layout.groups:
-        out[rows], lse[rows] = _group_attention(
+        part, part_lse = _group_attention(
             q, k_buffer, v_buffer, rows, kv_index, mask, bias, sm_scale, logit_cap
         )
+        out.index_copy_(0, rows, part)
+        lse.index_copy_(0, rows, part_lse)
     if layout.shared:
         _merge_shared(
             out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
@@ -211,7 +224,7 @@ def _group_attention(
         out, lse = _attention_lse(q[rows].float()[:, None], keys, values, mask, sm_scale, logit_cap)
         return out[:, 0], lse[:, 0]
     (_, h, d), hkv = q.shape, k_buffer.shape[1]
-    queries = q[rows].float().view(len(rows), hkv, h // hkv, d)
+    queries = q.index_select(0, rows).float().view(len(rows), hkv, h // hkv, d)
     out, lse = _flash_with_lse(queries, keys, values, bias, sm_scale, logit_cap)
     return out.reshape(-1, h, d), lse.reshape(-1, h)
 
@@ -262,6 +275,7 @@ class Grid:
     count: int
     length: int
     bias: torch.Tensor
+    in_order: bool = False  # rows and region are both 0 .. count-1 (no holes, no reordering)
 
 
 def decode_layout(
@@ -363,8 +377,10 @@ def _grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> Grid 
     outside = (cols[None, :] < begin[:, None]) | (cols[None, :] >= end[:, None])
     bias = torch.zeros(count, 1, 1, length, device=device)
     bias.masked_fill_(outside[:, None, None, :], -torch.inf)
-    rows = torch.tensor([by_region[k][0] for k in regions], device=device)
-    return Grid(rows, index, low * stride, stride, count, length, bias)
+    row_list = [by_region[k][0] for k in regions]
+    in_order = row_list == list(range(count))  # then regions are 0 .. count-1 as well
+    rows = torch.tensor(row_list, device=device)
+    return Grid(rows, index, low * stride, stride, count, length, bias, in_order)
 
 
 def _grid_keys(buffer: torch.Tensor, grid: Grid) -> torch.Tensor:
