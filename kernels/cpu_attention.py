@@ -26,11 +26,11 @@ Metadata and pool conventions are the reference's. Math in fp32; outputs in q's 
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
+from radixflow.kernels.grid import Grid, grid_keys, make_grid, take_leading
 from radixflow.kernels.shared_prefix import SharedPrefix, drop_leading, find_shared_prefixes
 
 
@@ -175,7 +175,7 @@ def decode_attention(
             queries.index_copy_(
                 0, grid.region, q.index_select(0, grid.rows).float().view(-1, hkv, h // hkv, d)
             )
-        keys, values = _grid_keys(k_buffer, grid), _grid_keys(v_buffer, grid)
+        keys, values = grid_keys(k_buffer, grid), grid_keys(v_buffer, grid)
         grid_out, grid_lse = _flash_with_lse(queries, keys, values, grid.bias, sm_scale, logit_cap)
         if whole:
             out, lse = grid_out.reshape(-1, h, d), grid_lse.reshape(-1, h)
@@ -259,25 +259,6 @@ class DecodeLayout:
     )  # grid requests' keys before their last run, grouped as `groups`, merged by lse
 
 
-@dataclass(frozen=True)
-class Grid:
-    """Requests whose own keys (after any head: see DecodeLayout.heads) are one run each,
-    inside row k of a strided view of the pool, (count, Hkv, length, D), row k starting at
-    slot first + k * stride (rows with no request of the batch are holes: zero queries,
-    outputs dropped). rows (n,) batch rows, region (n,) their grid row, bias (count, 1, 1,
-    length) 0 on each request's own keys, -inf elsewhere (0 for holes: the keys a mask
-    hides are other requests' or never-written zeroed slots, always finite)."""
-
-    rows: torch.Tensor
-    region: torch.Tensor
-    first: int
-    stride: int
-    count: int
-    length: int
-    bias: torch.Tensor
-    in_order: bool = False  # rows and region are both 0 .. count-1 (no holes, no reordering)
-
-
 def decode_layout(
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sliding_window: int = 0
 ) -> DecodeLayout:
@@ -302,7 +283,7 @@ def decode_layout(
             tails.append((b, runs[-1][0], runs[-1][1], length - runs[-1][1]))
         else:
             gathered.append(b)
-    grid = _grid(tails, kv_indptr.device)
+    grid = make_grid(tails, kv_indptr.device)
     on_grid = set(grid.rows.tolist()) if grid is not None else set()
     gathered = sorted(gathered + [b for b, *_ in tails if b not in on_grid])
     heads = [(b, head) for b, _, _, head in tails if b in on_grid and head]
@@ -317,91 +298,6 @@ def decode_layout(
         _length_groups(kv_indptr, kv_indices, gathered), shared, tuple(views), starts, grid,
         head_groups,
     )  # fmt: skip
-
-
-GRID_MIN_REQUESTS = 4  # fewer: the gathered group is as cheap
-
-
-def take_leading(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, count: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata (B+1,), (sum,) of each request's first `count[b]` keys."""
-    indptr = torch.cat([kv_indptr[:1] * 0, torch.cumsum(count, 0)])
-    owner = torch.repeat_interleave(torch.arange(len(count), device=count.device), count)
-    offset = torch.arange(int(indptr[-1]), device=count.device) - indptr[:-1][owner]
-    return indptr, kv_indices[kv_indptr[:-1][owner] + offset]
-
-
-def _grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> Grid | None:
-    """A Grid over the requests' last runs (row, first slot, length, head), or None when
-    too few share a stride or the grid's padded keys (holes, offsets, unequal lengths)
-    would be more than twice their own. The KV pool starts the runs of requests admitted
-    together on multiples of a power of two (radixflow.runtime.kv_pool); a run may start
-    some slots into its grid row (a sliding window cut its first keys, or the tree took
-    them over when a request beside it cached the same tokens): those columns are masked.
-    The stride tried are the most common distance between starts and the powers of two;
-    the one with the fewest padded plus gathered keys wins."""
-    if len(tails) < GRID_MIN_REQUESTS:
-        return None
-    firsts = sorted(first for _, first, _, _ in tails)
-    steps = Counter(b - a for a, b in zip(firsts, firsts[1:]) if b > a)
-    candidates = {1 << k for k in range(3, 17)} | {step for step, _ in steps.most_common(1)}
-    best = None
-    for stride in sorted(candidates):
-        by_region: dict[int, tuple[int, int, int]] = {}  # grid row -> (row, offset, length)
-        for row, first, length, _ in tails:
-            region, offset = divmod(first, stride)
-            if region not in by_region or length > by_region[region][2]:
-                by_region[region] = (row, offset, length)
-        if len(by_region) < GRID_MIN_REQUESTS:
-            continue
-        count = max(by_region) - min(by_region) + 1
-        length = max(offset + n for _, offset, n in by_region.values())
-        own = sum(n for _, _, n in by_region.values())
-        if count * length > 2 * own:
-            continue
-        cost = count * length + 2 * (sum(n for _, _, n, _ in tails) - own)  # gathered: 2x
-        if best is None or cost < best[0]:
-            best = (cost, stride, by_region, count, length)
-    if best is None:
-        return None
-    _, stride, by_region, count, length = best
-    low = min(by_region)
-    regions = sorted(by_region)
-    begin = torch.zeros(count, dtype=torch.long, device=device)
-    end = torch.full((count,), length, dtype=torch.long, device=device)  # holes: all (finite)
-    index = torch.tensor(regions, device=device) - low
-    begin[index] = torch.tensor([by_region[k][1] for k in regions], device=device)
-    end[index] = begin[index] + torch.tensor([by_region[k][2] for k in regions], device=device)
-    cols = torch.arange(length, device=device)
-    outside = (cols[None, :] < begin[:, None]) | (cols[None, :] >= end[:, None])
-    bias = torch.zeros(count, 1, 1, length, device=device)
-    bias.masked_fill_(outside[:, None, None, :], -torch.inf)
-    row_list = [by_region[k][0] for k in regions]
-    in_order = row_list == list(range(count))  # then regions are 0 .. count-1 as well
-    rows = torch.tensor(row_list, device=device)
-    return Grid(rows, index, low * stride, stride, count, length, bias, in_order)
-
-
-def _grid_keys(buffer: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """The grid's keys (count, Hkv, length, D) in fp32: a strided view of an fp32 pool (no
-    copy; the masked columns read other slots of the pool, finite: the runner's pool is
-    zero-filled, radixflow.runtime.model_runner.zeroed_cache). Other dtypes, or a grid
-    whose last row would leave the pool, are gathered with the masked columns on slot 0."""
-    _, hkv, d = buffer.shape
-    last = grid.first + (grid.count - 1) * grid.stride + grid.length
-    if buffer.dtype == torch.float32 and buffer.is_contiguous() and last <= buffer.shape[0]:
-        return buffer.as_strided(
-            (grid.count, hkv, grid.length, d),
-            (grid.stride * hkv * d, d, hkv * d, 1),
-            buffer.storage_offset() + grid.first * hkv * d,
-        )
-    rows = grid.first + grid.stride * torch.arange(grid.count, device=buffer.device)
-    index = (rows[:, None] + torch.arange(grid.length, device=buffer.device)).clamp(
-        max=buffer.shape[0] - 1
-    )  # holes' rows are dropped, but must stay inside the pool
-    hidden = torch.isinf(grid.bias[:, 0, 0])  # (count, length): masked columns
-    return _gather(buffer, torch.where(hidden, torch.zeros_like(index), index))
 
 
 def slot_runs(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
