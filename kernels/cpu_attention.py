@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixflow.kernels.grid import Grid, grid_keys, make_grid, take_leading
+from radixflow.kernels.grid import Grid, grid_index, grid_view, make_grid
 from radixflow.kernels.shared_prefix import SharedPrefix, drop_leading, find_shared_prefixes
 
 
@@ -175,7 +175,7 @@ def decode_attention(
             queries.index_copy_(
                 0, grid.region, q.index_select(0, grid.rows).float().view(-1, hkv, h // hkv, d)
             )
-        keys, values = grid_keys(k_buffer, grid), grid_keys(v_buffer, grid)
+        keys, values = _grid_keys(k_buffer, grid), _grid_keys(v_buffer, grid)
         grid_out, grid_lse = _flash_with_lse(queries, keys, values, grid.bias, sm_scale, logit_cap)
         if whole:
             out, lse = grid_out.reshape(-1, h, d), grid_lse.reshape(-1, h)
@@ -186,13 +186,11 @@ def decode_attention(
         part, part_lse = _group_attention(
             q, k_buffer, v_buffer, rows, kv_index, mask, bias, sm_scale, logit_cap
         )
-        rest, rest_lse = out.index_select(0, rows), lse.index_select(0, rows)
-        top = torch.maximum(rest_lse, part_lse)
-        w_rest, w_part = torch.exp(rest_lse - top), torch.exp(part_lse - top)
-        total = w_rest + w_part
-        merged = (rest * w_rest[..., None] + part * w_part[..., None]) / total[..., None]
+        merged, merged_lse = _merge(
+            out.index_select(0, rows), lse.index_select(0, rows), part, part_lse
+        )
         out.index_copy_(0, rows, merged)
-        lse.index_copy_(0, rows, top + torch.log(total))
+        lse.index_copy_(0, rows, merged_lse)
     for rows, kv_index, mask, bias in layout.groups:
         part, part_lse = _group_attention(
             q, k_buffer, v_buffer, rows, kv_index, mask, bias, sm_scale, logit_cap
@@ -291,7 +289,7 @@ def decode_layout(
     if heads:  # each grid request's leading keys (a short run cached in the tree), gathered
         count = torch.zeros(len(kv_indptr) - 1, dtype=torch.long, device=kv_indptr.device)
         count[[b for b, _ in heads]] = torch.tensor([n for _, n in heads], device=count.device)
-        head_indptr, head_indices = take_leading(kv_indptr, kv_indices, count)
+        head_indptr, head_indices = drop_leading(kv_indptr, kv_indices, count * 0, count)
         head_groups = _length_groups(head_indptr, head_indices, [b for b, _ in heads])
     starts = tuple(_run_start(prefix.slots) for prefix in shared)
     return DecodeLayout(
@@ -379,16 +377,28 @@ def _attend_views(
         for first, length in runs:
             keys, values = (_pool_view(buf, first, length) for buf in (k_buffer, v_buffer))
             part, part_lse = _flash_with_lse(query, keys, values, None, sm_scale, logit_cap)
-            if out is None:
-                out, lse = part, part_lse
-                continue
-            top = torch.maximum(lse, part_lse)
-            w_out, w_part = torch.exp(lse - top), torch.exp(part_lse - top)
-            out = (out * w_out[..., None] + part * w_part[..., None]) / (w_out + w_part)[..., None]
-            lse = top + torch.log(w_out + w_part)
+            out, lse = (part, part_lse) if out is None else _merge(out, lse, part, part_lse)
         outs.append(out.reshape(h, d))
         lses.append(lse.reshape(h))
     return torch.stack(outs), torch.stack(lses)
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attentions of the same queries over disjoint keys, (..., D) outputs with (...)
+    log-sum-exps -> the attention over all those keys (softmax weights by log-sum-exp)."""
+    top = torch.maximum(lse, part_lse)
+    w_out, w_part = torch.exp(lse - top), torch.exp(part_lse - top)
+    total = w_out + w_part
+    merged = (out * w_out[..., None] + part * w_part[..., None]) / total[..., None]
+    return merged, top + torch.log(total)
+
+
+def _grid_keys(buffer: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The grid's keys (count, Hkv, length, D) in fp32: a view of the pool, else gathered."""
+    view = grid_view(buffer, grid)
+    return view if view is not None else _gather(buffer, grid_index(grid, buffer.shape[0]))
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -501,8 +511,4 @@ def _merge_shared(
         part, part_lse = _flash_with_lse(queries, keys, values, None, sm_scale, logit_cap)
         part = part[0].view(hkv, n, group, d).transpose(0, 1).reshape(n, hkv * group, d)
         part_lse = part_lse[0].view(hkv, n, group).transpose(0, 1).reshape(n, hkv * group)
-        top = torch.maximum(part_lse, lse[rows])
-        w_part, w_rest = torch.exp(part_lse - top), torch.exp(lse[rows] - top)
-        total = w_part + w_rest
-        out[rows] = (part * w_part[..., None] + out[rows] * w_rest[..., None]) / total[..., None]
-        lse[rows] = top + torch.log(total)
+        out[rows], lse[rows] = _merge(out[rows], lse[rows], part, part_lse)

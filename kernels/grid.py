@@ -33,16 +33,6 @@ class Grid:
 GRID_MIN_REQUESTS = 4  # fewer: the gathered group is as cheap
 
 
-def take_leading(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, count: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata (B+1,), (sum,) of each request's first `count[b]` keys."""
-    indptr = torch.cat([kv_indptr[:1] * 0, torch.cumsum(count, 0)])
-    owner = torch.repeat_interleave(torch.arange(len(count), device=count.device), count)
-    offset = torch.arange(int(indptr[-1]), device=count.device) - indptr[:-1][owner]
-    return indptr, kv_indices[kv_indptr[:-1][owner] + offset]
-
-
 def make_grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> Grid | None:
     """A Grid over the requests' last runs (row, first slot, length, head), or None when
     too few share a stride or the grid's padded keys (holes, offsets, unequal lengths)
@@ -94,24 +84,26 @@ def make_grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> G
     return Grid(rows, index, low * stride, stride, count, length, bias, in_order)
 
 
-def grid_keys(buffer: torch.Tensor, grid: Grid) -> torch.Tensor:
-    """The grid's keys (count, Hkv, length, D) in fp32: a strided view of an fp32 pool (no
-    copy; the masked columns read other slots of the pool, finite: the runner's pool is
-    zero-filled, radixflow.runtime.model_runner.zeroed_cache). Other dtypes, or a grid
-    whose last row would leave the pool, are gathered with the masked columns on slot 0."""
+def grid_view(buffer: torch.Tensor, grid: Grid) -> torch.Tensor | None:
+    """The grid's keys (count, Hkv, length, D) as a strided view of an fp32 pool (no copy;
+    the masked columns read other slots of the pool, finite: the runner's pool is
+    zero-filled, radixflow.runtime.model_runner.zeroed_cache), or None for other dtypes or
+    a grid whose last row would leave the pool (gather `grid_index` instead)."""
     _, hkv, d = buffer.shape
     last = grid.first + (grid.count - 1) * grid.stride + grid.length
-    if buffer.dtype == torch.float32 and buffer.is_contiguous() and last <= buffer.shape[0]:
-        return buffer.as_strided(
-            (grid.count, hkv, grid.length, d),
-            (grid.stride * hkv * d, d, hkv * d, 1),
-            buffer.storage_offset() + grid.first * hkv * d,
-        )
-    rows = grid.first + grid.stride * torch.arange(grid.count, device=buffer.device)
-    index = (rows[:, None] + torch.arange(grid.length, device=buffer.device)).clamp(
-        max=buffer.shape[0] - 1
-    )  # holes' rows are dropped, but must stay inside the pool
+    if buffer.dtype != torch.float32 or not buffer.is_contiguous() or last > buffer.shape[0]:
+        return None
+    return buffer.as_strided(
+        (grid.count, hkv, grid.length, d),
+        (grid.stride * hkv * d, d, hkv * d, 1),
+        buffer.storage_offset() + grid.first * hkv * d,
+    )
+
+
+def grid_index(grid: Grid, num_slots: int) -> torch.Tensor:
+    """(count, length) pool slots of the grid's keys, for gathering: the masked columns on
+    slot 0, holes' rows kept inside the pool (their outputs are dropped)."""
+    rows = grid.first + grid.stride * torch.arange(grid.count, device=grid.bias.device)
+    index = (rows[:, None] + torch.arange(grid.length, device=rows.device)).clamp(max=num_slots - 1)
     hidden = torch.isinf(grid.bias[:, 0, 0])  # (count, length): masked columns
-    index = torch.where(hidden, torch.zeros_like(index), index)
-    picked = buffer.index_select(0, index.reshape(-1)).view(*index.shape, hkv, d)
-    return picked.float().transpose(1, 2)
+    return torch.where(hidden, torch.zeros_like(index), index)

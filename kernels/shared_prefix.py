@@ -68,10 +68,14 @@ def find_shared_prefixes(
 
 
 def drop_leading(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, skip: torch.Tensor
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    skip: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata (B+1,), (sum,) of each request's keys after its first `skip[b]`."""
-    lens = kv_indptr[1:] - kv_indptr[:-1] - skip  # (B,)
+    """The metadata (B+1,), (sum,) of each request's keys after its first `skip[b]`: all of
+    them, or the next `keep[b]`."""
+    lens = kv_indptr[1:] - kv_indptr[:-1] - skip if keep is None else keep  # (B,)
     indptr = torch.cat([kv_indptr[:1] * 0, torch.cumsum(lens, 0)])
     owner = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
     offset = torch.arange(int(indptr[-1]), device=lens.device) - indptr[:-1][owner]

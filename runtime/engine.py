@@ -100,7 +100,6 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
     runner = ModelRunner(
         model,
         pool.num_slots,
-        config.page_size,
         seed=config.seed,
         shared_prefix=not config.disable_shared_prefix_attention,
         cuda_graph_max_bs=graph_max_bs(config, model),

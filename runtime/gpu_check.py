@@ -259,7 +259,7 @@ def graph_runner(engine: Any, backend: str, max_bs: int) -> Any:
 
     config, scheduler = engine.config, engine.scheduler
     runner = ModelRunner(
-        engine._loaded.model, scheduler.pool.num_slots, config.page_size, seed=config.seed,
+        engine._loaded.model, scheduler.pool.num_slots, seed=config.seed,
         cuda_graph_max_bs=max_bs, max_kv_len=scheduler.context_len, graph_backend=backend,
     )  # fmt: skip
     scheduler.runner = runner

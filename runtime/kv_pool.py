@@ -15,8 +15,8 @@ not reserved: every free page stays allocatable, and a full pool hands out scatt
 
 A new run with a gap starts on a multiple of its footprint (count + gap, rounded up to a
 power of two): requests admitted together with alike footprints then sit at one stride, and
-the CPU decode reads the whole batch's keys as one strided view of the pool (a grid, in
-radixflow.kernels.cpu_attention) instead of gathering them. The pages skipped to align stay
+the CPU decode reads the whole batch's keys as one strided view of the pool (a grid,
+radixflow.kernels.grid) instead of gathering them. The pages skipped to align stay
 free for anyone.
 """
 

@@ -111,7 +111,6 @@ class ModelRunner:
         self,
         model: CausalLM,
         num_slots: int,
-        page_size: int,
         seed: int = 0,
         *,
         shared_prefix: bool = True,

@@ -174,13 +174,12 @@ class Speculator:
         self.verifying = []
         if not self.enabled:
             return []
+        for req in running:
+            req.draft_ids = []
         if self.max_batch and len(running) > self.max_batch:
-            for req in running:
-                req.draft_ids = []
             self.counters["spec_batch_off_steps"] += 1
             return []
         for req in running:
-            req.draft_ids = []
             if req.spec is None:
                 req.spec = DraftState()
             limit = min(self._num_drafts(req, len(running)), context_len - req.seq_len)

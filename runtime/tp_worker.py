@@ -71,7 +71,6 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
         runner = ModelRunner(  # as rank 0 builds it (CUDA graphs stay off under tp)
             model,
             num_slots,
-            config.page_size,
             seed=config.seed,
             shared_prefix=not config.disable_shared_prefix_attention,
         )

@@ -88,9 +88,9 @@ def triton_model() -> CausalLM:
 
 def eager_and_graphs(model: CausalLM, shared_prefix: bool = True, **kw: int):
     """Two runners over the same weights and KV contents: one eager, one with graphs."""
-    eager = ModelRunner(model, NUM_SLOTS, 1, shared_prefix=shared_prefix)
+    eager = ModelRunner(model, NUM_SLOTS, shared_prefix=shared_prefix)
     graphed = ModelRunner(
-        model, NUM_SLOTS, 1, shared_prefix=shared_prefix, cuda_graph_max_bs=MAX_BS,
+        model, NUM_SLOTS, shared_prefix=shared_prefix, cuda_graph_max_bs=MAX_BS,
         max_kv_len=kw.get("max_kv_len", 256), graph_backend="record",
     )  # fmt: skip
     fill_caches(eager)
@@ -208,7 +208,7 @@ def test_triton_extend_takes_its_grid_from_the_host(triton_model: CausalLM) -> N
     reference_model = tiny_model(REFERENCE_OPS)
     results = []
     for model in (triton_model, reference_model):
-        runner = ModelRunner(model, NUM_SLOTS, 1)
+        runner = ModelRunner(model, NUM_SLOTS)
         batch = runner.inputs.forward_batch(plan)
         with torch.inference_mode():
             results.append(model(batch, runner.k_caches, runner.v_caches))
