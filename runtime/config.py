@@ -76,6 +76,11 @@ class ServerConfig:
     cuda_graph_max_bs: int = _knob(
         256, "largest decode batch captured as a CUDA graph (capped by --max-running-requests)"
     )
+    disable_cpu_weight_prepack: bool = _knob(
+        False,
+        "CPU fp32: multiply with F.linear instead of weights prepacked for MKL's sgemm (the "
+        "packed copies are faster at decode sizes and cost one more copy of the weights)",
+    )
     disable_shared_prefix_attention: bool = _knob(
         False, "Triton decode: read KV runs shared by several requests per request (ablation)"
     )

@@ -20,6 +20,7 @@ from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.cuda_graph import DecodeGraphs
 from radixflow.runtime.loader import load_hf_config, weight_files
 from radixflow.runtime.models.layers import CausalLM, ModelConfig
+from radixflow.runtime.models.prepack import prepack
 from radixflow.runtime.sampler import sample
 from radixflow.runtime.step_inputs import StepInputs, upload_int64
 
@@ -51,7 +52,10 @@ def load_model(
     for file in weight_files(model_dir):
         state.update(load_file(str(file)))
     model.load_hf_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if not config.disable_cpu_weight_prepack:
+        prepack(model)
+    return model
 
 
 def pick_ops(backend: str, device: torch.device, model_config: ModelConfig) -> AttentionOps:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixflow.kernels import AttentionOps
-from radixflow.runtime.models import UnsupportedModelError
+from radixflow.runtime.models import UnsupportedModelError, prepack
 from radixflow.runtime.models.weights import load_weights
 
 ACTIVATIONS = {
@@ -384,6 +384,7 @@ class CausalLM(nn.Module):
         self.sliding_rope = Rope(config, *config.sliding_rope) if config.sliding_rope else None
         # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.head_pack: torch.Tensor | None = None  # the LM head packed for MKL (prepack.py)
 
     @torch.inference_mode()
     def forward(
@@ -406,7 +407,7 @@ class CausalLM(nn.Module):
         c = self.config
         hidden = rms_norm(hidden, self.norm, c.rms_norm_eps, c.norm_offset)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)  # (R, vocab), or this rank's vocabulary shard
+        logits = prepack.linear(hidden, weight, self.head_pack)  # (R, vocab) or a shard's
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         logits = logits.float()
