@@ -18,6 +18,7 @@ import numpy as np
 from radixflow.runtime.batch import I64, BatchPlan, StepResult, build_plan
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.kv_pool import KVPool, run_hint
+from radixflow.runtime.ownership import check_ownership
 from radixflow.runtime.radix_cache import RadixCache
 from radixflow.runtime.request import Req, ReqState
 from radixflow.runtime.schedule_policy import order_waiting, shares_uncached
@@ -29,6 +30,9 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
+# A cached prefix this short is copied into the request's own run: one contiguous run per
+# request decodes faster (kernels/grid.py) than a few keys read from elsewhere.
+COPY_PREFIX_BELOW = 16
 
 log = logging.getLogger(__name__)
 
@@ -305,15 +309,18 @@ class Scheduler:
         req.last_node, req.own_pages = node, []
         req.copy_src = req.copy_dst = None
         req.input_logprobs_done = req.input_logprobs_done or not req.wants_input_logprobs
-        shared_tail = len(prefix) % size
-        if shared_tail:  # the match ends inside a tree page: copy it, never write into it
-            pages = self._alloc_pages(1, req, req.seq_len + req.remaining_new_tokens() - size)
+        # Copied, never written into: a match's tail inside a tree page, or a short match whole
+        shared_tail = len(prefix) if len(prefix) < COPY_PREFIX_BELOW else len(prefix) % size
+        if shared_tail:
+            start, count = len(prefix) - shared_tail, -(-shared_tail // size)
+            future = req.seq_len + req.remaining_new_tokens() - start - count * size
+            pages = self._alloc_pages(count, req, future)
             if pages is None:
                 return False
             req.own_pages = pages
-            dst = pages[0] * size + np.arange(shared_tail, dtype=I64)
-            req.copy_src, req.copy_dst = prefix[-shared_tail:].copy(), dst
-            req.set_slots(len(prefix) - shared_tail, dst)
+            dst = (np.array(pages, dtype=I64)[:, None] * size + np.arange(size)).ravel()
+            req.copy_src, req.copy_dst = prefix[start:].copy(), dst[:shared_tail]
+            req.set_slots(start, req.copy_dst)
         if not self._grow(req, chunk):
             self.pool.decref(req.own_pages)
             req.own_pages, req.copy_src = [], None
@@ -473,7 +480,8 @@ class Scheduler:
         present = self.tree.insert(keys, req.slots[: req.kv_len])
         slots, node = self.tree.match_prefix(keys)
         assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
-        if present > req.prefix_len:  # duplicates of someone else's insert: use the tree's
+        # someone else's duplicates: adopt the tree's slots, but a short head keeps its own
+        if req.prefix_len < present and present >= COPY_PREFIX_BELOW:
             req.set_slots(req.prefix_len, slots[req.prefix_len : present])
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
@@ -577,24 +585,4 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Slot/page ownership adds up; tree counters and locks are consistent."""
-        refs = self.tree.check()
-        live = [r for r in self.live_requests() if r.own_pages or r.last_node is not None]
-        private: list[np.ndarray] = []
-        for req in live:
-            refs[np.asarray(req.own_pages, dtype=I64)] += 1
-            assert req.last_node is None or req.last_node.lock_ref > 0, f"{req.rid} lock lost"
-            private.append(req.slots[req.prefix_len : req.kv_len])
-        refs[0] += 1  # the reserved page
-        assert (refs == self.pool.refs).all(), (
-            f"page refs differ at {np.flatnonzero(refs != self.pool.refs)[:8]}"
-        )
-        free = self.pool.free_page_set()
-        assert len(free) == self.pool.num_free_pages, "a page is free twice"
-        assert free == set(np.flatnonzero(self.pool.refs == 0).tolist()), "free != unreferenced"
-        if private:
-            slots = np.concatenate(private)
-            assert len(np.unique(slots)) == len(slots), "a private slot is owned twice"
-        if not self.has_work:
-            assert self.tree.protected_size == 0, f"idle with {self.tree.protected_size} locked"
-            tree_pages = int((refs[1:] > 0).sum())
-            assert tree_pages + self.pool.num_free_pages == self.pool.capacity_pages, "idle leak"
+        check_ownership(self)

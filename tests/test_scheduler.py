@@ -289,3 +289,42 @@ def test_stats_count_cached_tokens_once() -> None:
     assert stats["cached_tokens"] == 49 and stats["prompt_tokens"] == 49 + 51
     assert stats["prefill_tokens_computed"] == 49 + 2
     assert stats["evictable_tokens"] == stats["tokens_in_tree"] > 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_short_cached_prefix_copied_into_own_run(page_size: int) -> None:
+    """A cached prefix shorter than COPY_PREFIX_BELOW is copied into the request's own run
+    (one run per request is what the CPU decode's grid reads fastest), still counted as
+    cached and not recomputed; a longer one stays shared. Requests prefilled together keep
+    their own copy of a short common head instead of adopting each other's slots."""
+    from radixflow.runtime.scheduler import COPY_PREFIX_BELOW
+
+    sched, runner = make_scheduler(page_size=page_size)
+    short, long = [7, 8, 9], list(range(1, COPY_PREFIX_BELOW + 5))
+    for rid, stem in (("a", short), ("b", long)):
+        sched.add_request(make_req(rid, stem + [30, 31], 4, ignore_eos=True))
+    run_all(sched)
+    later = [
+        make_req(r, s + [40, 41, 42], 30, ignore_eos=True) for r, s in (("c", short), ("d", long))
+    ]
+    together = [
+        make_req(r, [11, 12, i, 44, 45], 30, ignore_eos=True) for i, r in ((5, "e"), (6, "f"))
+    ]
+    for req in later + together:
+        sched.add_request(req)
+    computed = runner.tokens_computed
+    sched.step()  # all four prefilled in one step
+    c, d, e, f = later + together
+    assert runner.tokens_computed - computed == 3 + 3 + 5 + 5  # cached prefixes not recomputed
+    assert (c.cached_tokens, d.cached_tokens) == (len(short), len(long))
+    tree_short = sched.tree.match_prefix(np.array(short))[0]
+    tree_long = sched.tree.match_prefix(np.array(long))[0]
+    assert not set(c.slots[: len(short)].tolist()) & set(tree_short.tolist())  # a copy
+    whole_pages = len(long) // page_size * page_size
+    assert (d.slots[:whole_pages] == tree_long[:whole_pages]).all()  # shared
+    assert not set(e.slots[:2].tolist()) & set(f.slots[:2].tolist())  # each its own head
+    for req in (c, d, e, f):
+        assert (np.diff(req.slots[: req.kv_len]) == 1).all() or req is d, req.rid  # one run
+    run_all(sched)
+    for req in later + together:
+        assert req.output_ids == expected_output(req.input_ids, 30)
