@@ -54,6 +54,7 @@ def make_grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> G
             region, offset = divmod(first, stride)
             if region not in by_region or length > by_region[region][2]:
                 by_region[region] = (row, offset, length)
+        by_region = _densest_window(by_region)
         if len(by_region) < GRID_MIN_REQUESTS:
             continue
         count = max(by_region) - min(by_region) + 1
@@ -82,6 +83,29 @@ def make_grid(tails: list[tuple[int, int, int, int]], device: torch.device) -> G
     in_order = row_list == list(range(count))  # then regions are 0 .. count-1 as well
     rows = torch.tensor(row_list, device=device)
     return Grid(rows, index, low * stride, stride, count, length, bias, in_order)
+
+
+def _densest_window(
+    by_region: dict[int, tuple[int, int, int]],
+) -> dict[int, tuple[int, int, int]]:
+    """The consecutive grid rows holding the most keys whose rectangle stays within twice
+    them. A wave of requests admitted together may wrap around the pool's end: its last
+    runs then sit far from the others, and one grid over all of them would be mostly
+    padding. The rows outside the window are gathered."""
+    regions = sorted(by_region)
+    length = max(offset + n for _, offset, n in by_region.values())
+    keys = [0]
+    for region in regions:
+        keys.append(keys[-1] + by_region[region][2])
+    best, left = (0, 0, 0), 0
+    for right, region in enumerate(regions):
+        while left <= right and (region - regions[left] + 1) * length > 2 * (
+            keys[right + 1] - keys[left]
+        ):
+            left += 1
+        if keys[right + 1] - keys[left] > best[0]:
+            best = (keys[right + 1] - keys[left], left, right + 1)
+    return {region: by_region[region] for region in regions[best[1] : best[2]]}
 
 
 def grid_view(buffer: torch.Tensor, grid: Grid) -> torch.Tensor | None:

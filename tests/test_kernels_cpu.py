@@ -265,6 +265,23 @@ def test_cpu_decode_reads_a_strided_batch_as_one_grid(
     assert shares == (dtype == torch.float32)  # fp32: a view, no copy
 
 
+def test_cpu_decode_grid_takes_the_densest_rows_of_a_wrapped_wave() -> None:
+    """A wave whose last runs wrapped around the pool's end (two at its start, six near its
+    end, on one stride): the grid takes the six, the two are gathered. One grid over all
+    eight would be mostly padding, and was refused whole before. Equal to the spec."""
+    pool = StridedPool(64 * 40, torch.float32, seed=5, stride=64)
+    places = [(64 * k, 30 + k) for k in range(30, 36)] + [(64, 28), (128, 33)]
+    requests = [pool.write(first, n) for first, n in places]
+    args = (pool.queries(len(requests), 3), pool.k, pool.v)
+    args += (indptr([len(r) for r in requests]), torch.cat(requests), HEAD_DIM**-0.5)
+    layout = cpu_attention.decode_layout(*args[3:5])
+    assert layout.grid is not None and layout.grid.count == 6
+    assert sorted(layout.grid.rows.tolist()) == [0, 1, 2, 3, 4, 5]
+    assert sorted(torch.cat([g[0] for g in layout.groups]).tolist()) == [6, 7]
+    out = cpu_attention.decode_attention(*args, layout=layout)
+    assert_close(out, reference.decode_attention(*args))
+
+
 def test_cpu_decode_grid_past_the_pool_end_is_gathered() -> None:
     """A grid whose last row would leave the pool reads its keys by gathering instead."""
     pool = StridedPool(64 * 4 + 20, torch.float32, seed=9, stride=64)

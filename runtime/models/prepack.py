@@ -28,8 +28,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 PACK_ROWS = 64  # the row count MKL is told at pack time; the layout does not depend on it
-# Fewer rows go through F.linear: MKL's matrix-vector path beats the packed one there (1-3
-# rows: 0.6-0.95x the packed time per projection; 4 rows: 1.1-2.6x; SmolLM2 shapes, 2 threads).
+# Fewer rows go through F.linear, whose matrix-vector path wins there: at 1 row it took
+# 0.70-0.99x the packed time per SmolLM2 projection, while at 4 rows the packed one was
+# 1.1-2.6x faster (2 threads).
 PACKED_MIN_ROWS = 4
 
 
@@ -80,7 +81,7 @@ class PackedLinear(nn.Module):
 def agrees(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether `packed` reproduces `F.linear` at row counts other than PACK_ROWS."""
     generator = torch.Generator().manual_seed(0)
-    for rows in (1, 7, PACK_ROWS + 3):
+    for rows in (PACKED_MIN_ROWS, 7, PACK_ROWS + 3):
         x = torch.randn(rows, weight.shape[1], generator=generator)
         want = F.linear(x, weight)
         if not torch.allclose(linear(x, weight, packed), want, rtol=1e-4, atol=1e-4):
