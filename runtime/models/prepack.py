@@ -68,11 +68,11 @@ def linear(
 class PackedLinear(nn.Module):
     """An `nn.Linear` (same `weight` and `bias` parameters) multiplied from a packed copy."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = pack(linear.weight)
+        self.packed = pack(linear.weight) if packed is None else packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed, self.bias)
@@ -103,11 +103,14 @@ def prepack(model: nn.Module) -> int:
             for name, child in parent.named_children()
             if type(child) is nn.Linear
         ]
-        if not found or not agrees(found[0][2].weight, pack(found[0][2].weight)):
+        if not found:
+            return 0
+        first = pack(found[0][2].weight)  # checked once, then used
+        if not agrees(found[0][2].weight, first):
             log.warning("MKL's packed sgemm disagrees with F.linear here: weights left unpacked")
             return 0
-        for parent, name, child in found:
-            setattr(parent, name, PackedLinear(child))
+        for i, (parent, name, child) in enumerate(found):
+            setattr(parent, name, PackedLinear(child, first if i == 0 else None))
         head = getattr(model, "lm_head", None)  # untied: packed with the projections
         if isinstance(head, PackedLinear):
             model.head_pack = head.packed
