@@ -6,9 +6,14 @@
 Workloads: json_decode, agent and multi_turn from radixflow.bench.workloads (their first
 N programs, greedy, EOS ignored, the same token counts for both) and a plain chat. Single
 stream runs every call alone, one after another; batch 16 runs each round's calls 16 at a
-time. Driven through the Engine's public API (radixflow.bench.engine.RadixflowSystem). With
-BENCH_LLAMA_CPP_PYTHON set (a venv's python with llama-cpp-python), llama.cpp's single-stream
-decode speed on the same GGUF is measured too.
+time. Driven through the Engine's public API (radixflow.bench.engine.RadixflowSystem).
+
+Each workload and mode runs `--repeats` times. Every repeat builds a fresh pair of engines
+(sharing the loaded weights), so "on" starts with empty n-gram tables, as a new server
+would, and both compile their grammars once; off and on alternate which goes first. A row
+gives the medians of the repeats' tok/s and of their on/off ratios. With
+BENCH_LLAMA_CPP_PYTHON set (a venv's python with llama-cpp-python), llama.cpp's
+single-stream decode speed on the same GGUF is measured too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import time
 from typing import Any
@@ -90,11 +96,47 @@ def llama_cpp_single_stream(model_path: str) -> float | None:
     return float(out.stdout.strip()) if out.returncode == 0 else None
 
 
+def measure(engine: Engine, codec: Codec, name: str, num: int, width: int, repeats: int) -> dict:
+    """Off and on, `repeats` times with fresh engines, alternating which runs first."""
+    off_tok_s, on_tok_s, ratios, proposed, accepted = [], [], [], 0, 0
+    for rep in range(repeats):
+        systems = {
+            "off": RadixflowSystem("off", engine.with_config(), owned=True),
+            "on": RadixflowSystem(
+                "on", engine.with_config(speculative_algorithm="ngram"), owned=True
+            ),
+        }
+        for system in systems.values():  # warm-up
+            system.run_round([Call(tuple(codec.encode("Hello there")), 8)])
+        speed = {}
+        for label in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            got = run(systems[label], name, codec, num, width)
+            speed[label] = got["tokens"] / got["wall"]
+        stats = systems["on"].engine.stats()
+        proposed += stats["spec_proposed"]
+        accepted += stats["spec_accepted"]
+        off_tok_s.append(speed["off"])
+        on_tok_s.append(speed["on"])
+        ratios.append(speed["on"] / speed["off"])
+        for system in systems.values():
+            system.close()
+    return {
+        "off_tok_s": statistics.median(off_tok_s),
+        "on_tok_s": statistics.median(on_tok_s),
+        "speedup": statistics.median(ratios),
+        "speedups": ratios,
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "proposed": proposed,
+        "accepted": accepted,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--programs", type=int, default=4, help="programs per workload, single")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workloads", default="json_decode,agent,multi_turn,chat")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh engine pairs per row")
     parser.add_argument("--json", default="", help="write the rows here too")
     args = parser.parse_args()
     engine = Engine(model="smollm2", max_total_tokens=32768)
@@ -103,42 +145,27 @@ def main() -> None:
         lambda s: tok.encode(s, add_special_tokens=False),
         lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
-    systems = {
-        "off": RadixflowSystem("off", engine, owned=False),
-        "on": RadixflowSystem("on", engine.with_config(speculative_algorithm="ngram"), owned=True),
-    }
-    for system in systems.values():  # warm-up
-        system.run_round([Call(tuple(codec.encode("Hello there")), 8)])
     rows = []
     for name in args.workloads.split(","):
         for mode, num, width in (("single", args.programs, 1), ("batch", args.batch, args.batch)):
-            row: dict[str, Any] = {"workload": name, "mode": f"{mode} x{width}"}
-            for label, system in systems.items():
-                before = system.engine.stats()
-                got = run(system, name, codec, num, width)
-                after = system.engine.stats()
-                row[f"{label}_tok_s"] = got["tokens"] / got["wall"]
-                if label == "on":
-                    proposed = after["spec_proposed"] - before["spec_proposed"]
-                    accepted = after["spec_accepted"] - before["spec_accepted"]
-                    row["acceptance"] = accepted / proposed if proposed else 0.0
-                    row["proposed"], row["accepted"] = proposed, accepted
-            row["speedup"] = row["on_tok_s"] / row["off_tok_s"]
+            row = measure(engine, codec, name, num, width, args.repeats)
+            row.update(workload=name, mode=f"{mode} x{width}")
             rows.append(row)
             print(json.dumps(row), flush=True)
     llama = llama_cpp_single_stream(str(builtin_gguf("smollm2")))
     print(f"\nload average {os.getloadavg()[0]:.1f}; llama.cpp single stream: {llama or 'n/a'}")
-    print("| workload | mode | off tok/s | on tok/s | on/off | acceptance (acc/proposed) |")
+    print("| workload | mode | off tok/s | on tok/s | on/off (each repeat) | acceptance |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        each = ", ".join(f"{x:.2f}" for x in r["speedups"])
         print(
             f"| {r['workload']} | {r['mode']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | "
-            f"{r['speedup']:.2f}x | {r['acceptance']:.2f} ({r['accepted']}/{r['proposed']}) |"
+            f"{r['speedup']:.2f}x ({each}) | {r['acceptance']:.2f} "
+            f"({r['accepted']}/{r['proposed']}) |"
         )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "llama_cpp_single_tok_s": llama}, f, indent=1)
-    systems["on"].close()
     engine.shutdown()
 
 

@@ -117,6 +117,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         vocab_size=model.config.vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         grammars=_grammar_backend(config, tokenizer, model.config.vocab_size, eos),
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
     )
     info = {
         "model": config.served_model_name or config.model_path,

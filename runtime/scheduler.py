@@ -53,6 +53,7 @@ class Scheduler:
         vocab_size: int,
         decode: Callable[[list[int]], str],
         grammars: Any = None,
+        encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
     ) -> None:
         self.config = config
@@ -70,7 +71,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerMetrics(), None
-        self.spec = Speculator(config, eos_token_ids)
+        self.spec = Speculator(config, eos_token_ids, encode)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio

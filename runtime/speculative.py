@@ -22,10 +22,14 @@ renormalised, norm(max(p - q, 0)); so the output distribution is unchanged, gree
 is token for token the same, and a seeded request samples the same tokens as without
 speculation (up to floating-point differences between the extend and decode paths).
 
-k adapts per request: a decayed estimate of the per-token acceptance rate `alpha` gives
-the expected tokens of a k-draft step, 1 + alpha + ... + alpha^k, and k maximises the step's
-tokens per unit of forward time (a draft row costs `ROW_COST` of a one-row step); k = 0 when
-drafting does not pay, retried with a short probe every `PROBE_EVERY` steps.
+k adapts to how often drafts of the same kind survived. A draft's kind is its source (own
+context or tree) and the order of the n-gram that matched: an order-4 match in an agent's own
+context survives ~0.9 a token, an order-2 match into the tree's text of other chats ~0.05.
+Each kind keeps a decayed per-token acceptance rate, over all requests (the prior of a new
+request) and per request; `alpha` blends the two, and k maximises the step's tokens per unit
+of forward time, 1 + alpha + ... + alpha^k against 1 + `ROW_COST` * k. A match whose kind
+does not pay (k = 0) is passed over for the next kind; every `PROBE_EVERY` passed-over matches
+of a kind, a short probe keeps its rate current.
 
 KV: drafts take slots like any extend. After acceptance the request's kv_len covers the
 verified tokens only; whole pages holding only rejected positions are freed at once, and
@@ -43,23 +47,28 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from radixflow.runtime.schema_drafts import skeleton_texts
+
 if TYPE_CHECKING:
     from radixflow.runtime.batch import BatchPlan, StepResult
     from radixflow.runtime.config import ServerConfig
     from radixflow.runtime.kv_pool import KVPool
     from radixflow.runtime.request import Req
 
-ORDERS = (4, 3, 2)  # n-gram lengths matched, longest first
+ORDERS = (4, 3, 2, 1)  # n-gram lengths matched, longest first
+SOURCES = ("own", "tree")  # at equal order the request's own context first
 TREE_TABLE_CAPACITY = 1 << 20  # tokens kept for tree drafts; cleared when full
 # Forward time of one extra draft row relative to a one-row decode step, measured (SmolLM2
 # 135M fp32, 2 threads, contexts of 300 and 1000 tokens, min of 30 interleaved runs on a shared
 # 2-core machine): 1+k rows took 1.09-1.10x (k=1), 1.18-1.20x (2), 1.53-1.59x (4) and
 # 1.96-2.20x (8) a one-row decode; the least-squares slope is 0.12-0.14 a row.
 ROW_COST = 0.13
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 0.5
-DECAY = 0.85  # weight of history in the acceptance estimate, per verify step
-PROBE_EVERY = 16  # steps with k = 0 before a short probe
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a kind's rate starts at 0.5
+DECAY = 0.85  # weight of history in an acceptance rate, per verify step of its kind
+PROBE_EVERY = 16  # matches of a kind passed over (k = 0) before a short probe
 PROBE_DRAFTS = 2
+SKELETON_CACHE = 64  # schemas whose skeleton tokens are kept
+Kind = tuple[str, int]  # (source, n-gram order) of a draft's first match
 
 
 class NgramTable:
@@ -110,22 +119,35 @@ class NgramTable:
 
 
 @dataclass
+class Rate:
+    """A decayed per-token acceptance rate: each verify step adds its accepted drafts and the
+    positions judged (the accepted ones, plus the rejected one if any)."""
+
+    accepted: float = PRIOR_ACCEPTED
+    trials: float = PRIOR_TRIALS
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def record(self, proposed: int, kept: int) -> None:
+        self.accepted = DECAY * self.accepted + kept
+        self.trials = DECAY * self.trials + kept + (kept < proposed)
+
+
+@dataclass
 class DraftState:
     """Per-request drafting state (lives on `Req.spec`)."""
 
     own: NgramTable = field(default_factory=NgramTable)
-    accepted: float = PRIOR_ACCEPTED  # decayed count of accepted draft tokens
-    trials: float = PRIOR_TRIALS  # decayed count of draft positions judged
-    idle: int = 0  # steps since the last verification
+    seen: int = 0  # tokens of `fill_ids` in `own`
+    rates: dict[Kind, Rate] = field(default_factory=dict)  # this request's, by kind
+    kind: Kind | None = None  # of the drafts being verified
     shadow: Any = None  # a Grammar copy advanced over `shadow_ids` (constrained requests)
     shadow_ids: list[int] = field(default_factory=list)
     masks: np.ndarray | None = None  # (1 + k, words) grammar masks of the verify rows
     kv_before: int = 0  # kv_len and own page count when the drafts took their slots
     pages_before: int = 0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -150,13 +172,22 @@ class Speculator:
     requests; `accept` appends tokens through the scheduler's `append` (which may finish a
     request), moves kv_len and frees pages of rejected drafts."""
 
-    def __init__(self, config: ServerConfig, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        eos_token_ids: tuple[int, ...],
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self.enabled = config.speculative_algorithm == "ngram"
         self.max_drafts = config.speculative_num_draft_tokens
         self.max_batch = config.speculative_disable_by_batch_size  # 0 = no limit
         self.eos_token_ids = eos_token_ids
         self.tree = NgramTable()
         self.verifying: list[Req] = []
+        self.rates: dict[Kind, Rate] = {}  # every request's acceptance, by kind of draft
+        self.passed_over: dict[Kind, int] = {}  # matches not drafted since the last probe
+        self.encode = encode  # text -> token ids, for schema skeletons (None: none drafted)
+        self.skeletons: dict[str, list[list[int]]] = {}
         self.counters = {
             "spec_verify_steps": 0,
             "spec_proposed": 0,
@@ -182,9 +213,8 @@ class Speculator:
         for req in running:
             if req.spec is None:
                 req.spec = DraftState()
-            limit = min(self._num_drafts(req, len(running)), context_len - req.seq_len)
-            limit = min(limit, req.remaining_new_tokens() - 1)
-            drafts = self._draft(req, limit) if limit > 0 else []
+            limit = min(context_len - req.seq_len, req.remaining_new_tokens() - 1)
+            drafts = self._draft(req, limit, len(running)) if limit > 0 else []
             if drafts and req.grammar is not None:
                 drafts = self._check_grammar(req, drafts)
             while drafts and _extra_pages(req.kv_len, len(drafts), page_size) > spare_pages:
@@ -199,30 +229,72 @@ class Speculator:
             self.verifying.append(req)
         return self.verifying
 
-    def _num_drafts(self, req: Req, batch_size: int) -> int:
-        state = req.spec
-        k = best_num_drafts(state.alpha, self.max_drafts, batch_size)
-        if k > 0:
-            return k
-        state.idle += 1
-        return min(PROBE_DRAFTS, self.max_drafts) if state.idle >= PROBE_EVERY else 0
+    def _alpha(self, req: Req, kind: Kind) -> float:
+        """The request's acceptance rate for drafts of `kind`, its own history blended with
+        every request's (worth PRIOR_TRIALS positions)."""
+        prior = self.rates.setdefault(kind, Rate()).alpha
+        own = req.spec.rates.get(kind)
+        if own is None:
+            return prior
+        return (own.accepted + PRIOR_TRIALS * prior) / (own.trials + PRIOR_TRIALS)
 
-    def _draft(self, req: Req, limit: int) -> list[int]:
-        """Up to `limit` tokens predicted from the request's context and the tree's text."""
-        own = req.spec.own
-        seen = len(own)
-        if seen < req.seq_len:
-            own.append(req.fill_ids[seen:] if seen else req.fill_ids)
+    def _draft(self, req: Req, limit: int, batch_size: int) -> list[int]:
+        """Up to `limit` tokens predicted from the request's context and the tree's text:
+        the longest match whose kind pays, extended by looking up again."""
+        state = req.spec
+        own = state.own
+        if state.seen == 0:  # a JSON schema's skeleton first: the least recent text
+            for seq in self._skeletons(req.sampling.json_schema):
+                own.add_sequence(seq)
+            own.add_sequence(req.fill_ids)
+        elif state.seen < req.seq_len:
+            own.append(req.fill_ids[state.seen :])
+        state.seen = req.seq_len
         context = req.fill_ids[-max(ORDERS) :]
-        drafts: list[int] = []
-        while len(drafts) < limit:
+        tables = {"own": own, "tree": self.tree}
+        for n in ORDERS:
+            for source in SOURCES:
+                kind = (source, n)
+                found = tables[source].continuation(context, n, limit)
+                if not found:
+                    continue
+                k = min(best_num_drafts(self._alpha(req, kind), self.max_drafts, batch_size), limit)
+                if k == 0:
+                    self.passed_over[kind] = self.passed_over.get(kind, 0) + 1
+                    if self.passed_over[kind] < PROBE_EVERY:
+                        continue
+                    k = min(PROBE_DRAFTS, limit)
+                self.passed_over[kind] = 0
+                state.kind = kind
+                return self._extend(found[:k], context, tables, k)
+        return []
+
+    def _skeletons(self, schema: str | None) -> list[list[int]]:
+        """The token sequences of a JSON schema's skeleton (runtime/schema_drafts.py)."""
+        if not schema or self.encode is None:
+            return []
+        seqs = self.skeletons.get(schema)
+        if seqs is None:
+            if len(self.skeletons) >= SKELETON_CACHE:
+                self.skeletons.clear()
+            seqs = [self.encode(text) for text in skeleton_texts(schema)]
+            self.skeletons[schema] = seqs
+        return seqs
+
+    @staticmethod
+    def _extend(
+        drafts: list[int], context: list[int], tables: dict[str, NgramTable], k: int
+    ) -> list[int]:
+        """A draft that reached the end of its match continues from a new lookup (a
+        repeating loop drafts its whole period), up to k tokens."""
+        while len(drafts) < k:
             suffix = context + drafts
             more = next(
                 (
                     found
-                    for n in ORDERS
-                    for table in (own, self.tree)
-                    if (found := table.continuation(suffix, n, limit - len(drafts)))
+                    for n in ORDERS[:-1]  # not on a single token's evidence
+                    for source in SOURCES
+                    if (found := tables[source].continuation(suffix, n, k - len(drafts)))
                 ),
                 None,
             )
@@ -305,9 +377,10 @@ class Speculator:
         c["spec_verify_steps"] += 1
         c["spec_proposed"] += proposed
         c["spec_accepted"] += kept
-        state.accepted = DECAY * state.accepted + kept
-        state.trials = DECAY * state.trials + kept + (kept < proposed)
-        state.idle = 0
+        kind = state.kind
+        if kind is not None:
+            state.rates.setdefault(kind, Rate(0.0, 0.0)).record(proposed, kept)
+            self.rates.setdefault(kind, Rate()).record(proposed, kept)
 
     def observe_finished(self, req: Req) -> None:
         """Add a finished request's sequence (what enters the tree) to the tree table."""

@@ -290,7 +290,7 @@ def oracle_drafts(truth: dict[tuple[int, ...], list[int]], seed: int):
     0..k occurs, and verify rows mix with prefills, chunks and plain decodes in one step."""
     rng = np.random.default_rng(seed)
 
-    def draft(self, req: Req, limit: int) -> list[int]:
+    def draft(self, req: Req, limit: int, batch_size: int) -> list[int]:
         done = len(req.output_ids)
         right = truth[tuple(req.input_ids)][done : done + int(rng.integers(0, limit + 1))]
         return (right + rng.integers(0, 256, size=limit).tolist())[:limit]
