@@ -15,6 +15,8 @@ What makes it fast on CPU, each measured when it went in:
     the pool, one fused call per run, instead of a gathered copy (64 decodes of 1,000 keys
     alone: 83 -> 20 ms per layer on 1 thread, 14.4 -> 12.6 ms on 2); the others are
     gathered, with index_select (about 2x advanced indexing);
+  - short extends (verify rows of speculative decoding, a few new tokens each) read their
+    cached keys as views of the pool with plain matmuls (kernels/short_extend.py);
   - the other decodes whose own keys are one run each on a common stride (the KV pool
     starts the runs of requests admitted together on multiples of a power of two) are read
     as one strided view of the pool, a grid, in one fused call (64 decodes, 2 threads: 1.38
@@ -32,6 +34,7 @@ import torch
 
 from radixflow.kernels.grid import Grid, grid_index, grid_view, make_grid
 from radixflow.kernels.shared_prefix import SharedPrefix, drop_leading, find_shared_prefixes
+from radixflow.kernels.short_extend import ShortExtend, plan_short_extend, short_extend_attention
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Layout:
     batch: torch.Tensor
     rows: torch.Tensor
     shared: tuple[SharedPrefix, ...] = ()
+    short: ShortExtend | None = None  # every request short, its keys in few runs
 
 
 def _padded(indptr: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +76,7 @@ def make_layout(
     """Layout for extend (new tokens over qo_indptr) or decode (qo_indptr = arange(B+1)).
     `sliding_window` W > 0: a query sees only keys less than W positions behind it, so each
     prefix is cut to its last W - 1 keys and no shared run is looked for."""
+    short = None if sliding_window else plan_short_extend(qo_indptr, kv_indptr, kv_indices)
     if sliding_window:
         shared, lens = (), kv_indptr[1:] - kv_indptr[:-1]
         skip = (lens - (sliding_window - 1)).clamp(min=0)
@@ -97,7 +102,7 @@ def make_layout(
         torch.arange(len(extend_lens), device=qo_indptr.device), extend_lens
     )
     rows = torch.arange(int(qo_indptr[-1]), device=qo_indptr.device) - qo_indptr[:-1][batch]
-    return Layout(kv_index, q_index, mask, batch, rows, shared)
+    return Layout(kv_index, q_index, mask, batch, rows, shared, short)
 
 
 def extend_attention(
@@ -125,6 +130,9 @@ def extend_attention(
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
     layout = layout or make_layout(qo_indptr, kv_indptr, kv_indices, sliding_window)
+    if layout.short is not None and not logit_cap:
+        short = layout.short
+        return short_extend_attention(q, k_extend, v_extend, k_buffer, v_buffer, short, sm_scale)
     keys = torch.cat([_gather(k_buffer, layout.kv_index), _gather(k_extend, layout.q_index)], 2)
     values = torch.cat([_gather(v_buffer, layout.kv_index), _gather(v_extend, layout.q_index)], 2)
     queries = q[layout.q_index].float()  # (B, Lq, H, D)

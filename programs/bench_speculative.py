@@ -8,7 +8,8 @@ N programs, greedy, EOS ignored, the same token counts for both) and a plain cha
 stream runs every call alone, one after another; batch 16 runs each round's calls 16 at a
 time. Driven through the Engine's public API (radixflow.bench.engine.RadixflowSystem).
 
-Each workload and mode runs `--repeats` times. Every repeat builds a fresh pair of engines
+Each single-stream row runs `--repeats` times, each batch row (a few seconds, so noisier)
+`--batch-repeats` times. Every repeat builds a fresh pair of engines
 (sharing the loaded weights), so "on" starts with empty n-gram tables, as a new server
 would, and both compile their grammars once; off and on alternate which goes first. A row
 gives the medians of the repeats' tok/s and of their on/off ratios. With
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--workloads", default="json_decode,agent,multi_turn,chat")
     parser.add_argument("--repeats", type=int, default=3, help="fresh engine pairs per row")
+    parser.add_argument(
+        "--batch-repeats", type=int, default=5, help="the same for batch rows (shorter, noisier)"
+    )
     parser.add_argument("--json", default="", help="write the rows here too")
     args = parser.parse_args()
     engine = Engine(model="smollm2", max_total_tokens=32768)
@@ -148,7 +152,8 @@ def main() -> None:
     rows = []
     for name in args.workloads.split(","):
         for mode, num, width in (("single", args.programs, 1), ("batch", args.batch, args.batch)):
-            row = measure(engine, codec, name, num, width, args.repeats)
+            repeats = args.repeats if mode == "single" else args.batch_repeats
+            row = measure(engine, codec, name, num, width, repeats)
             row.update(workload=name, mode=f"{mode} x{width}")
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -12,7 +12,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from radixflow.kernels import CPU_OPS, REFERENCE_OPS, cpu_attention, get_ops, reference
+from radixflow.kernels import (
+    CPU_OPS,
+    REFERENCE_OPS,
+    cpu_attention,
+    get_ops,
+    reference,
+    short_extend,
+)
 from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS, find_shared_prefixes
 
 NUM_KV_HEADS = 2
@@ -144,6 +151,35 @@ def test_cpu_extend_matches_reference(kind: str, group: int, page_size: int) -> 
     assert len(layout.shared) == NUM_GROUPS[kind]
     out = cpu_attention.extend_attention(*args, layout=layout)  # (T, H, D)
     assert_close(out, reference.extend_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_short_extend_matches_reference(
+    kind: str, group: int, page_size: int, dtype: torch.dtype
+) -> None:
+    """Verify-sized extends (1..16 new tokens each) read their cached keys as views of the
+    pool (kernels/short_extend.py) when those lie in at most MAX_RUNS runs (always with
+    pages of 64 here); more scattered ones take the general path."""
+    pool = PagedPool(2000 // page_size + 20, page_size, dtype, seed=3)
+    prefixes = layout_requests(pool, kind)[: short_extend.MAX_REQUESTS]
+    new = [(1, 6, 16, 9)[i] for i in range(len(prefixes))]
+    q = pool.queries(sum(new), group)
+    k, v = (
+        torch.randn((sum(new), NUM_KV_HEADS, HEAD_DIM), generator=pool.gen).to(dtype) for _ in "kv"
+    )
+    args = (q, k, v, pool.k, pool.v, indptr(new), indptr([len(p) for p in prefixes]))
+    args += (torch.cat(prefixes), HEAD_DIM**-0.5)
+    layout = cpu_attention.make_layout(*args[5:8])
+    runs = cpu_attention.slot_runs(*args[6:8])
+    assert (layout.short is not None) == all(len(r) <= short_extend.MAX_RUNS for r in runs)
+    if page_size == 64:
+        assert layout.short is not None
+    assert_close(
+        cpu_attention.extend_attention(*args, layout=layout), reference.extend_attention(*args)
+    )
 
 
 def test_cpu_decode_groups_mixed_lengths() -> None:
