@@ -11,7 +11,8 @@ time. Driven through the Engine's public API (radixflow.bench.engine.RadixflowSy
 Each single-stream row runs `--repeats` times, each batch row (a few seconds, so noisier)
 `--batch-repeats` times. Every repeat builds a fresh pair of engines
 (sharing the loaded weights), so "on" starts with empty n-gram tables, as a new server
-would, and both compile their grammars once; off and on alternate which goes first. A row
+would, and both compile their grammars once. Off and on take turns call by call (single) or
+round by round (batch), so the machine's swings in speed fall on both alike. A row
 gives the medians of the repeats' tok/s and of their on/off ratios. With
 BENCH_LLAMA_CPP_PYTHON set (a venv's python with llama-cpp-python), llama.cpp's
 single-stream decode speed on the same GGUF is measured too.
@@ -58,22 +59,36 @@ def rounds_of(name: str, codec: Codec, num: int) -> Any:
     return getattr(workloads, name)(codec, quick=False).rounds
 
 
-def run(system: RadixflowSystem, name: str, codec: Codec, num: int, width: int) -> dict:
-    """Drive the workload's first `num` programs, `width` calls at a time; wall and tokens."""
-    system.start_workload()
-    gen = rounds_of(name, codec, num)
-    calls = next(gen)[:num]
-    tokens, start = 0, time.perf_counter()
-    while True:
-        outputs: list[Any] = []
-        for i in range(0, len(calls), width):
-            outputs += system.run_round(calls[i : i + width]).outputs
-        tokens += sum(len(o) for c, o in zip(calls, outputs) if not c.options)
-        try:
-            calls = gen.send(outputs)[:num]
-        except StopIteration:
-            break
-    return {"tokens": tokens, "wall": time.perf_counter() - start}
+def run_pair(
+    systems: dict[str, RadixflowSystem], name: str, codec: Codec, num: int, width: int, flip: bool
+) -> dict[str, dict]:
+    """Drive the workload's first `num` programs through each system, `width` calls at a
+    time, the systems taking turns chunk by chunk (which goes first alternates), so a change
+    in the machine's speed falls on both alike. -> per system: tokens, wall (its chunks)."""
+    labels = list(systems)[::-1] if flip else list(systems)
+    gens = {label: rounds_of(name, codec, num) for label in labels}
+    calls = {label: next(gen)[:num] for label, gen in gens.items()}
+    got = {label: {"tokens": 0, "wall": 0.0} for label in labels}
+    for system in systems.values():
+        system.start_workload()
+    turn = 0
+    while calls:
+        outputs: dict[str, list[Any]] = {label: [] for label in calls}
+        for i in range(0, max(len(c) for c in calls.values()), width):
+            turn += 1
+            for label in labels[:: 1 if turn % 2 else -1]:
+                if label in calls and i < len(calls[label]):
+                    start = time.perf_counter()
+                    outputs[label] += systems[label].run_round(calls[label][i : i + width]).outputs
+                    got[label]["wall"] += time.perf_counter() - start
+        for label in list(calls):
+            done = zip(calls[label], outputs[label])
+            got[label]["tokens"] += sum(len(o) for c, o in done if not c.options)
+            try:
+                calls[label] = gens[label].send(outputs[label])[:num]
+            except StopIteration:
+                del calls[label]
+    return got
 
 
 def llama_cpp_single_stream(model_path: str) -> float | None:
@@ -98,7 +113,7 @@ def llama_cpp_single_stream(model_path: str) -> float | None:
 
 
 def measure(engine: Engine, codec: Codec, name: str, num: int, width: int, repeats: int) -> dict:
-    """Off and on, `repeats` times with fresh engines, alternating which runs first."""
+    """Off and on, `repeats` times with fresh engines, taking turns (`run_pair`)."""
     off_tok_s, on_tok_s, ratios, proposed, accepted = [], [], [], 0, 0
     for rep in range(repeats):
         systems = {
@@ -109,10 +124,8 @@ def measure(engine: Engine, codec: Codec, name: str, num: int, width: int, repea
         }
         for system in systems.values():  # warm-up
             system.run_round([Call(tuple(codec.encode("Hello there")), 8)])
-        speed = {}
-        for label in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-            got = run(systems[label], name, codec, num, width)
-            speed[label] = got["tokens"] / got["wall"]
+        got = run_pair(systems, name, codec, num, width, flip=rep % 2 == 1)
+        speed = {label: g["tokens"] / g["wall"] for label, g in got.items()}
         stats = systems["on"].engine.stats()
         proposed += stats["spec_proposed"]
         accepted += stats["spec_accepted"]
