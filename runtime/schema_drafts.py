@@ -3,10 +3,12 @@
 A request constrained by a JSON schema spends most of its tokens on text the schema fixes:
 braces, quotes, the property names in order, the separators. The n-gram drafts
 (runtime/speculative.py) find that text only once some earlier output holds it; a request
-whose schema nobody has used yet has nothing to draft from. `skeleton_texts` renders one
-instance of the schema, in the two layouts models write (`{"a": 1}` and `{ "a": 1 }`), for
-the request's own n-gram table. Values are placeholders ("x", 0, true): drafts run into the
-real values and are cut there, then pick up again from the separator after them.
+whose schema nobody has used yet has nothing to draft from. `skeleton_segments` renders one
+instance of the schema, in the two layouts models write (`{"a": 1}` and `{ "a": 1 }`), and
+cuts it where the free values go (strings, numbers, booleans; enums and consts are text the
+schema fixes and stay in): `{ "name": "`, `", "age": `, `, "city": "`, `" }`. Each segment is
+a sequence of its own in the drafting table, so a draft runs to the next value and stops
+there instead of guessing it.
 
 A skeleton only proposes drafts; every draft is checked by the grammar and verified by the
 model, so a skeleton that does not match what the model writes costs speed, never output.
@@ -18,16 +20,24 @@ import json
 from typing import Any
 
 MAX_DEPTH = 8  # nesting (and $ref hops) rendered; deeper schemas get no skeleton
-PLACEHOLDERS = {"string": "x", "integer": 0, "number": 0, "boolean": True, "null": None}
+FREE, FREE_STRING = object(), object()  # values the model chooses
+PLACEHOLDERS = {
+    "string": FREE_STRING,
+    "integer": FREE,
+    "number": FREE,
+    "boolean": FREE,
+    "null": None,
+}
 
 
 class _NoSkeleton(Exception):
     pass
 
 
-def skeleton_texts(schema: str) -> list[str]:
-    """The schema's skeleton in the compact and the spaced layout; [] when the schema is not
-    an object schema this can render (the drafts then come from the n-gram tables alone)."""
+def skeleton_segments(schema: str) -> list[str]:
+    """The schema's fixed text between its free values, in the compact and the spaced
+    layout; [] when the schema is not an object schema this can render (the drafts then come
+    from the n-gram tables alone)."""
     try:
         root = json.loads(schema)
         value = _instance(root, root, 0)
@@ -35,7 +45,8 @@ def skeleton_texts(schema: str) -> list[str]:
         return []
     if not isinstance(value, dict):
         return []
-    return [_render(value, spaced=False), _render(value, spaced=True)]
+    texts = (_render(value, spaced=False), _render(value, spaced=True))
+    return [part for text in texts for part in text.split(_MARK) if part]
 
 
 def _instance(schema: Any, root: dict, depth: int) -> Any:
@@ -77,8 +88,16 @@ def _resolve(ref: Any, root: dict) -> Any:
     return node
 
 
+_MARK = "\x00"  # where a free value goes (no JSON text holds a raw NUL)
+
+
 def _render(value: Any, spaced: bool) -> str:
-    """JSON with ", " and ": " separators; `spaced` also pads the inside of braces."""
+    """JSON with ", " and ": " separators, free values as _MARK (inside the quotes of a
+    string); `spaced` also pads the inside of braces."""
+    if value is FREE:
+        return _MARK
+    if value is FREE_STRING:
+        return f'"{_MARK}"'
     if isinstance(value, dict):
         if not value:
             return "{}"

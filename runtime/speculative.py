@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from radixflow.runtime.schema_drafts import skeleton_texts
+from radixflow.runtime.schema_drafts import skeleton_segments
 
 if TYPE_CHECKING:
     from radixflow.runtime.batch import BatchPlan, StepResult
@@ -56,7 +56,11 @@ if TYPE_CHECKING:
     from radixflow.runtime.request import Req
 
 ORDERS = (4, 3, 2, 1)  # n-gram lengths matched, longest first
-SOURCES = ("own", "tree")  # at equal order the request's own context first
+SOURCES = ("schema", "own", "tree")
+# The order kinds are tried in: a JSON schema's fixed text first (it is the schema's, not a
+# guess from earlier text), then the longest match, the request's own context before the
+# tree's text at equal length.
+KINDS = [("schema", n) for n in ORDERS] + [(s, n) for n in ORDERS for s in SOURCES[1:]]
 TREE_TABLE_CAPACITY = 1 << 20  # tokens kept for tree drafts; cleared when full
 # Forward time of one extra draft row relative to a one-row decode step, measured (SmolLM2
 # 135M fp32, 2 threads, contexts of 300 and 1000 tokens, min of 30 interleaved runs on a shared
@@ -64,10 +68,11 @@ TREE_TABLE_CAPACITY = 1 << 20  # tokens kept for tree drafts; cleared when full
 # 1.96-2.20x (8) a one-row decode; the least-squares slope is 0.12-0.14 a row.
 ROW_COST = 0.13
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a kind's rate starts at 0.5
+SCHEMA_PRIOR = 0.8  # a JSON schema's fixed text: only its layout is a guess
 DECAY = 0.85  # weight of history in an acceptance rate, per verify step of its kind
 PROBE_EVERY = 16  # matches of a kind passed over (k = 0) before a short probe
 PROBE_DRAFTS = 2
-SKELETON_CACHE = 64  # schemas whose skeleton tokens are kept
+SKELETON_CACHE = 64  # schemas whose skeleton tables are kept
 Kind = tuple[str, int]  # (source, n-gram order) of a draft's first match
 
 
@@ -116,6 +121,9 @@ class NgramTable:
         if start < self.seq_start:  # inside a closed sequence: stop at its end
             end = self.seq_ends[bisect.bisect_right(self.seq_ends, start)]
         return self.tokens[start : min(start + limit, end)]
+
+
+EMPTY_TABLE = NgramTable()  # never appended to
 
 
 @dataclass
@@ -187,7 +195,7 @@ class Speculator:
         self.rates: dict[Kind, Rate] = {}  # every request's acceptance, by kind of draft
         self.passed_over: dict[Kind, int] = {}  # matches not drafted since the last probe
         self.encode = encode  # text -> token ids, for schema skeletons (None: none drafted)
-        self.skeletons: dict[str, list[list[int]]] = {}
+        self.skeletons: dict[str, NgramTable] = {}  # by JSON schema
         self.counters = {
             "spec_verify_steps": 0,
             "spec_proposed": 0,
@@ -232,54 +240,54 @@ class Speculator:
     def _alpha(self, req: Req, kind: Kind) -> float:
         """The request's acceptance rate for drafts of `kind`, its own history blended with
         every request's (worth PRIOR_TRIALS positions)."""
-        prior = self.rates.setdefault(kind, Rate()).alpha
+        prior = self.rates.setdefault(kind, _prior(kind)).alpha
         own = req.spec.rates.get(kind)
         if own is None:
             return prior
         return (own.accepted + PRIOR_TRIALS * prior) / (own.trials + PRIOR_TRIALS)
 
     def _draft(self, req: Req, limit: int, batch_size: int) -> list[int]:
-        """Up to `limit` tokens predicted from the request's context and the tree's text:
-        the longest match whose kind pays, extended by looking up again."""
+        """Up to `limit` tokens predicted from the request's schema, context and the tree's
+        text: the first match (in KINDS order) whose kind pays, extended by looking up again
+        unless it came from the schema."""
         state = req.spec
         own = state.own
-        if state.seen == 0:  # a JSON schema's skeleton first: the least recent text
-            for seq in self._skeletons(req.sampling.json_schema):
-                own.add_sequence(seq)
-            own.add_sequence(req.fill_ids)
-        elif state.seen < req.seq_len:
+        if state.seen < req.seq_len:
             own.append(req.fill_ids[state.seen :])
-        state.seen = req.seq_len
+            state.seen = req.seq_len
         context = req.fill_ids[-max(ORDERS) :]
-        tables = {"own": own, "tree": self.tree}
-        for n in ORDERS:
-            for source in SOURCES:
-                kind = (source, n)
-                found = tables[source].continuation(context, n, limit)
-                if not found:
+        tables = {"schema": self._skeleton(req.sampling.json_schema), "own": own, "tree": self.tree}
+        for kind in KINDS:
+            source, n = kind
+            found = tables[source].continuation(context, n, limit)
+            if not found:
+                continue
+            k = min(best_num_drafts(self._alpha(req, kind), self.max_drafts, batch_size), limit)
+            if k == 0:
+                self.passed_over[kind] = self.passed_over.get(kind, 0) + 1
+                if self.passed_over[kind] < PROBE_EVERY:
                     continue
-                k = min(best_num_drafts(self._alpha(req, kind), self.max_drafts, batch_size), limit)
-                if k == 0:
-                    self.passed_over[kind] = self.passed_over.get(kind, 0) + 1
-                    if self.passed_over[kind] < PROBE_EVERY:
-                        continue
-                    k = min(PROBE_DRAFTS, limit)
-                self.passed_over[kind] = 0
-                state.kind = kind
-                return self._extend(found[:k], context, tables, k)
+                k = min(PROBE_DRAFTS, limit)
+            self.passed_over[kind] = 0
+            state.kind = kind
+            if source == "schema":  # a segment ends where a free value begins
+                return found[:k]
+            return self._extend(found[:k], context, tables, k)
         return []
 
-    def _skeletons(self, schema: str | None) -> list[list[int]]:
-        """The token sequences of a JSON schema's skeleton (runtime/schema_drafts.py)."""
+    def _skeleton(self, schema: str | None) -> NgramTable:
+        """A JSON schema's fixed text (runtime/schema_drafts.py), each segment between free
+        values a sequence of its own; empty without a schema."""
         if not schema or self.encode is None:
-            return []
-        seqs = self.skeletons.get(schema)
-        if seqs is None:
+            return EMPTY_TABLE
+        table = self.skeletons.get(schema)
+        if table is None:
             if len(self.skeletons) >= SKELETON_CACHE:
                 self.skeletons.clear()
-            seqs = [self.encode(text) for text in skeleton_texts(schema)]
-            self.skeletons[schema] = seqs
-        return seqs
+            table = self.skeletons[schema] = NgramTable()
+            for segment in skeleton_segments(schema):
+                table.add_sequence(self.encode(segment))
+        return table
 
     @staticmethod
     def _extend(
@@ -380,7 +388,7 @@ class Speculator:
         kind = state.kind
         if kind is not None:
             state.rates.setdefault(kind, Rate(0.0, 0.0)).record(proposed, kept)
-            self.rates.setdefault(kind, Rate()).record(proposed, kept)
+            self.rates.setdefault(kind, _prior(kind)).record(proposed, kept)
 
     def observe_finished(self, req: Req) -> None:
         """Add a finished request's sequence (what enters the tree) to the tree table."""
@@ -400,6 +408,13 @@ class Speculator:
             else 0.0,
             "spec_accept_length": (c["spec_accepted"] + steps) / steps if steps else 0.0,
         }
+
+
+def _prior(kind: Kind) -> Rate:
+    """Every request's rate for a kind not yet tried."""
+    if kind[0] == "schema":
+        return Rate(SCHEMA_PRIOR * PRIOR_TRIALS, PRIOR_TRIALS)
+    return Rate()
 
 
 def _extra_pages(kv_len: int, num_drafts: int, page_size: int) -> int:

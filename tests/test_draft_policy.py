@@ -11,7 +11,7 @@ from test_scheduler import make_req
 from conftest import chat
 from radixflow.runtime import speculative
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.schema_drafts import skeleton_texts
+from radixflow.runtime.schema_drafts import skeleton_segments
 from radixflow.runtime.speculative import PROBE_DRAFTS, PROBE_EVERY, DraftState, Rate, Speculator
 
 PERSON = json.dumps(
@@ -30,10 +30,11 @@ PERSON = json.dumps(
 # ---- skeletons --------------------------------------------------------------------------------
 
 
-def test_skeleton_renders_properties_in_order_in_both_layouts() -> None:
-    compact, spaced = skeleton_texts(PERSON)
-    assert compact == '{"name": "x", "age": 0, "city": "x"}'
-    assert spaced == '{ "name": "x", "age": 0, "city": "x" }'
+def test_skeleton_is_the_fixed_text_between_free_values_in_both_layouts() -> None:
+    assert skeleton_segments(PERSON) == [
+        '{"name": "', '", "age": ', ', "city": "', '"}',
+        '{ "name": "', '", "age": ', ', "city": "', '" }',
+    ]  # fmt: skip
 
 
 def test_skeleton_follows_refs_arrays_enums_and_unions() -> None:
@@ -45,18 +46,23 @@ def test_skeleton_follows_refs_arrays_enums_and_unions() -> None:
             "id": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
             "ok": {"type": "boolean"},
             "tag": {"const": "v1"},
+            "none": {"type": "null"},
         },
     }
-    compact, _ = skeleton_texts(json.dumps(schema))
-    assert json.loads(compact) == {"pets": [{"kind": "cat"}], "id": 0, "ok": True, "tag": "v1"}
+    compact = skeleton_segments(json.dumps(schema))[:3]
+    assert compact == [
+        '{"pets": [{"kind": "cat"}], "id": ',
+        ', "ok": ',
+        ', "tag": "v1", "none": null}',
+    ]
 
 
 def test_no_skeleton_for_what_it_cannot_render() -> None:
-    assert skeleton_texts("not json") == []
-    assert skeleton_texts('{"type": "string"}') == []  # not an object
-    assert skeleton_texts('{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}') == []
+    assert skeleton_segments("not json") == []
+    assert skeleton_segments('{"type": "string"}') == []  # not an object
+    assert skeleton_segments('{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}') == []
     loop = {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}}}
-    assert skeleton_texts(json.dumps({**loop, "$ref": "#/$defs/N"})) == []  # endless nesting
+    assert skeleton_segments(json.dumps({**loop, "$ref": "#/$defs/N"})) == []  # endless nesting
 
 
 # ---- kinds of draft ---------------------------------------------------------------------------
@@ -99,6 +105,20 @@ def test_kinds_that_do_not_pay_draft_only_a_short_probe_now_and_then() -> None:
     drafts = [spec._draft(req, 8, 1) for _ in range(PROBE_EVERY)]
     assert drafts[:-1] == [[]] * (PROBE_EVERY - 1)
     assert drafts[-1] == [9, 10][:PROBE_DRAFTS] and req.spec.kind == ("own", 4)
+
+
+def test_a_schema_request_drafts_the_fixed_text_up_to_the_next_value() -> None:
+    """With characters as tokens: after `", "` the schema's segment `", "age": ` drafts its
+    rest and stops where the age goes, though the request's own text would continue it."""
+    spec = Speculator(
+        ServerConfig(speculative_algorithm="ngram"), (0,), encode=lambda t: [ord(c) for c in t]
+    )
+    text = 'JSON: "age": 7 { "name": "Ada", "'
+    req = make_req("r", [ord(c) for c in text], 50, json_schema=PERSON)
+    req.spec = DraftState()
+    spec.rates[("schema", 4)] = Rate(19.0, 20.0)  # it pays to draft all 8
+    drafts = spec._draft(req, 16, 1)
+    assert "".join(map(chr, drafts)) == 'age": ' and req.spec.kind == ("schema", 4)
 
 
 # ---- SmolLM2 ----------------------------------------------------------------------------------
