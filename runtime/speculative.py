@@ -1,15 +1,18 @@
 """Speculative decoding drafted from n-grams, no draft model (torch-free).
 
 Each step, for every decoding request, `Speculator.propose` looks up the request's last
-tokens in two n-gram tables and proposes up to k next tokens:
-  * its own context (prompt lookup): the most recent earlier occurrence of its last 4, 3 or
-    2 tokens in its prompt + output, and what followed;
+tokens in up to three n-gram tables and proposes up to k next tokens:
+  * a JSON-schema request's schema: the fixed text between its free values (braces, keys,
+    separators; runtime/schema_drafts.py), so a schema nobody has used yet still drafts;
+  * its own context (prompt lookup): the most recent earlier occurrence of its last 4, 3, 2
+    or 1 tokens in its prompt + output, and what followed;
   * the sequences the scheduler puts into the radix tree (every finished request's prompt
     and output), which hold earlier turns, tool outputs and schema keys. The table keeps
     tokens, not KV, so a draft may come from text the tree has since evicted.
-The longest match wins, the own context before the tree at equal length, the most recent
-occurrence within a table. A draft that reaches the end of its match is extended by
-looking up again (a repeating loop drafts its whole period).
+Kinds are tried in `KINDS` order: the schema first, then the longest match, the own context
+before the tree at equal length; the most recent occurrence within a table. A draft that
+reaches the end of its match is extended by looking up again (a repeating loop drafts its
+whole period); a schema segment is not (a free value follows it).
 
 Verification: the request's step becomes an extend of 1 + k rows (its last sampled token,
 then the drafts) with a logit row and a sample row each; row j is sampled exactly as the
