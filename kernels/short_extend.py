@@ -3,14 +3,16 @@ attended over views of the pool, with plain matmuls and one softmax.
 
 The general extend path (`cpu_attention.extend_attention`) gathers every request's cached
 keys into a padded copy, appends the new keys and runs torch's fused kernel under a
-boolean mask. For a verify step of one request (6 rows over 400 cached keys, SmolLM2's
-9 query and 3 KV heads, 2 threads) that took 750 us a layer against about 100 us for the
-same request's plain decode, so a draft row cost far more in attention than in the matmuls.
-Here a request's cached keys are read where they lie: each run of consecutive slots is a
-strided view of the pool, multiplied without a copy; the new tokens' own keys (already
-stored, but passed in) add a small causal block. A batch takes the general path when it
+boolean mask; the gathered copy grows with the context. Here a request's cached keys are
+read where they lie: each run of consecutive slots is a strided view of the pool,
+multiplied without a copy; the new tokens' own keys (already stored, but passed in) add a
+small causal block. A batch takes the general path when it
 holds more than MAX_REQUESTS requests, or one with more than MAX_NEW_ROWS new tokens or with
 keys in more than MAX_RUNS runs.
+
+Measured for one request of 6 new rows (SmolLM2's 9 query and 3 KV heads, 2 threads, keys
+in two runs, min of 5 x 100 calls on an idle machine): 563 us a layer against 1,721 us on the
+general path at 1,500 cached keys; even at 400 (260 against 253 us).
 
 Same result as `reference.extend_attention` to fp32 rounding. No sliding window, no logit
 cap (those take the general path).
