@@ -187,6 +187,8 @@ def main() -> None:
             f"{r['speedup']:.2f}x ({each}) | {r['acceptance']:.2f} "
             f"({r['accepted']}/{r['proposed']}) |"
         )
+    if llama:
+        print(f"| llama.cpp (this GGUF) | single x1 | - | {llama:.1f} | - | - |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "llama_cpp_single_tok_s": llama}, f, indent=1)
