@@ -9,22 +9,13 @@ import json
 from test_scheduler import make_req
 
 from conftest import chat
+from radixflow.bench.workloads import PERSON_SCHEMA
 from radixflow.runtime import speculative
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.schema_drafts import skeleton_segments
 from radixflow.runtime.speculative import PROBE_DRAFTS, PROBE_EVERY, DraftState, Rate, Speculator
 
-PERSON = json.dumps(
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer"},
-            "city": {"type": "string", "maxLength": 24},
-        },
-        "required": ["name", "age", "city"],
-    }
-)
+PERSON = PERSON_SCHEMA  # json_decode's schema: name, age, city
 
 
 # ---- skeletons --------------------------------------------------------------------------------
