@@ -42,7 +42,7 @@ CPU_OPS = AttentionOps(
     "torch",
     cpu_attention.extend_attention,
     cpu_attention.decode_attention,
-    reference.store_kv,
+    cpu_attention.store_kv,
     cpu_attention.make_layout,
     cpu_attention.decode_layout,
 )

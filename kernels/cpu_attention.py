@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixflow.kernels import native, reference
 from radixflow.kernels.grid import Grid, grid_index, grid_view, make_grid
 from radixflow.kernels.shared_prefix import SharedPrefix, drop_leading, find_shared_prefixes
 from radixflow.kernels.short_extend import ShortExtend, plan_short_extend, short_extend_attention
@@ -105,6 +106,18 @@ def make_layout(
     return Layout(kv_index, q_index, mask, batch, rows, shared, short)
 
 
+def store_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """`reference.store_kv`, as one native copy loop where the kernels are built."""
+    if not native.store_kv(k_buffer, v_buffer, slots, k, v):
+        reference.store_kv(k_buffer, v_buffer, slots, k, v)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_extend: torch.Tensor,
@@ -165,6 +178,19 @@ def decode_attention(
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
     layout = layout or decode_layout(kv_indptr, kv_indices, sliding_window)
+    if layout.runs is not None:
+        fast = native.decode_attention(q, k_buffer, v_buffer, layout.runs, sm_scale, logit_cap)
+        if fast is not None:
+            out, lse = fast
+            if layout.shared:
+                _merge_shared(
+                    out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
+                    layout.shared_starts,
+                )  # fmt: skip
+            return out.to(q.dtype)
+        if "torch" not in layout.fallback:  # a pool the kernel does not take (not fp32)
+            layout.fallback["torch"] = decode_layout(kv_indptr, kv_indices, sliding_window, False)
+        layout = layout.fallback["torch"]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if layout.views:
@@ -263,13 +289,23 @@ class DecodeLayout:
     heads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(
         default_factory=list
     )  # grid requests' keys before their last run, grouped as `groups`, merged by lse
+    # the native kernel's (run_indptr (B+1,), first slot (R,), count (R,)): every request's
+    # keys after the shared runs, read where they lie (kernels/native.py); then nothing above
+    # but `shared` is filled in
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    fallback: dict[str, DecodeLayout] = field(default_factory=dict)  # torch's, if needed
 
 
 def decode_layout(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sliding_window: int = 0
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sliding_window: int = 0,
+    native_runs: bool | None = None,
 ) -> DecodeLayout:
-    """Shared prefixes first (`find_shared_prefixes`); then each request's remaining keys
-    are read as views when they lie in few consecutive runs (`slot_runs`), and the rest are
+    """Shared prefixes first (`find_shared_prefixes`); then, where the native kernels are
+    built (`native_runs` None: whether they are), each request's remaining keys as runs of
+    consecutive slots for the native kernel; else each request's remaining keys are read
+    as views when they lie in few consecutive runs (`slot_runs`), and the rest are
     grouped, longest first, while a group's padded size stays within twice its real size
     (one group when lengths are alike). `sliding_window` W > 0 keeps each request's last W
     keys only (all a decode sees), before looking for shared runs."""
@@ -280,6 +316,11 @@ def decode_layout(
     shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
     if shared:
         kv_indptr, kv_indices = drop_leading(kv_indptr, kv_indices, skip)
+    starts = tuple(_run_start(prefix.slots) for prefix in shared)
+    if native_runs is None:
+        native_runs = kv_indices.device.type == "cpu" and native.library() is not None
+    if native_runs:
+        return DecodeLayout([], shared, shared_starts=starts, runs=run_table(kv_indptr, kv_indices))
     views, gathered, tails = [], [], []
     for b, runs in enumerate(slot_runs(kv_indptr, kv_indices)):
         length = sum(n for _, n in runs)
@@ -299,28 +340,37 @@ def decode_layout(
         count[[b for b, _ in heads]] = torch.tensor([n for _, n in heads], device=count.device)
         head_indptr, head_indices = drop_leading(kv_indptr, kv_indices, count * 0, count)
         head_groups = _length_groups(head_indptr, head_indices, [b for b, _ in heads])
-    starts = tuple(_run_start(prefix.slots) for prefix in shared)
     return DecodeLayout(
         _length_groups(kv_indptr, kv_indices, gathered), shared, tuple(views), starts, grid,
         head_groups,
     )  # fmt: skip
 
 
-def slot_runs(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per request, its keys as maximal runs of consecutive slots: [(first slot, length)]."""
+def run_table(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every request's keys as maximal runs of consecutive slots, in order: (run_indptr
+    (B+1,), first slot (R,), count (R,)), request b owning runs run_indptr[b] ..
+    run_indptr[b+1] - 1."""
     total, num = int(kv_indptr[-1]), len(kv_indptr) - 1
-    runs: list[list[tuple[int, int]]] = [[] for _ in range(num)]
+    run_indptr = torch.zeros(num + 1, dtype=torch.long, device=kv_indptr.device)
     if total == 0:
-        return runs
+        return run_indptr, kv_indices[:0].long(), kv_indices[:0].long()
     breaks = torch.ones(total, dtype=torch.bool, device=kv_indices.device)
     breaks[1:] = kv_indices[1:] != kv_indices[:-1] + 1
     breaks[kv_indptr[:-1][kv_indptr[1:] > kv_indptr[:-1]]] = True  # runs end with requests
     begins = torch.nonzero(breaks)[:, 0]
     lengths = torch.diff(begins, append=begins.new_full((1,), total))
     owners = torch.searchsorted(kv_indptr, begins, right=True) - 1
-    for b, slot, n in zip(owners.tolist(), kv_indices[begins].tolist(), lengths.tolist()):
-        runs[b].append((slot, n))
-    return runs
+    run_indptr[1:] = torch.bincount(owners, minlength=num).cumsum(0)
+    return run_indptr, kv_indices[begins].long().contiguous(), lengths
+
+
+def slot_runs(kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per request, its keys as maximal runs of consecutive slots: [(first slot, length)]."""
+    run_indptr, first, count = run_table(kv_indptr, kv_indices)
+    bounds, pairs = run_indptr.tolist(), list(zip(first.tolist(), count.tolist()))
+    return [pairs[bounds[b] : bounds[b + 1]] for b in range(len(bounds) - 1)]
 
 
 def _run_start(slots: torch.Tensor) -> int:

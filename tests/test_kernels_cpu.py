@@ -17,6 +17,7 @@ from radixflow.kernels import (
     REFERENCE_OPS,
     cpu_attention,
     get_ops,
+    native,
     reference,
     short_extend,
 )
@@ -24,6 +25,14 @@ from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS, find_shared_prefixe
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 32
+NATIVE = native.library()
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are the torch fast path's tests: the native kernels (tests/test_native.py)
+    are off unless a test turns them back on."""
+    monkeypatch.setitem(native._state, "lib", None)
 TOLERANCE = {torch.float32: (2e-6, 0.0), torch.float16: (1e-3, 1e-3)}  # (atol, rtol)
 
 
@@ -132,11 +141,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", ["torch", "native"])
 def test_cpu_decode_matches_reference(
-    kind: str, group: int, page_size: int, dtype: torch.dtype
+    kind: str, group: int, page_size: int, dtype: torch.dtype, path: str, monkeypatch
 ) -> None:
+    if path == "native":
+        monkeypatch.setitem(native._state, "lib", NATIVE)
     args = decode_batch(kind, group, page_size, dtype)
     layout = cpu_attention.decode_layout(*args[3:5])
+    assert (layout.runs is not None) == (path == "native" and NATIVE is not None)
     assert len(layout.shared) == NUM_GROUPS[kind]  # the case exercises what it names
     out = cpu_attention.decode_attention(*args, layout=layout)  # (B, H, D)
     assert_close(out, reference.decode_attention(*args))

@@ -1,0 +1,299 @@
+/* radixflow's native CPU kernels: fp32 loops that torch's eager ops run as several passes
+ * (or, for decode attention, as many tiny matmuls). Built at first use by kernels/native.py
+ * with the system C compiler (-O3 -march=native -fopenmp, linked against the OpenMP runtime
+ * torch has already loaded, so both share one thread pool) and called through ctypes.
+ * Every function here has a torch twin that is the reference (kernels/native.py says which);
+ * tests/test_native.py holds each to it.
+ *
+ * Vectors are GCC vector extensions of 16 floats (one AVX-512 register; the compiler splits
+ * them where the machine has narrower ones). Sums run in a fixed order per row, so results
+ * do not depend on the thread count. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#define VW 16
+#define BLOCK 64   /* keys per online-softmax block: a multiple of VW */
+#define MAX_GROUP 8  /* query heads per KV head */
+#define MAX_CHUNKS 16  /* head_dim up to 256 */
+
+static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+static inline float hsum(vf x) {  /* in tree order: 4 shuffles and adds */
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+/* r[j] = the sum of a[j]'s lanes, for 16 vectors at once (15 two-source shuffle pairs). */
+static inline vf reduce16(const vf a[VW]) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(d[0], d[1], (vi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(d[0], d[1], (vi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+/* exp(x) lane by lane for x <= 0 (clamped at -87), as Cephes' expf computes it: n the
+ * nearest integer to x / ln 2, f = x - n ln 2 in two parts (exact products), then
+ * 2^n * (1 + f + f^2 p(f)) with its degree-5 minimax p: within 2 ulp of exp. */
+static inline vf vexp_neg(vf x) {
+    x = vmax(x, (vf){0} - 87.f);
+    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* <= 0: truncation rounds up */
+    vf nf = __builtin_convertvector(n, vf);
+    vf f = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * (f * f) + f + 1.f;
+    return (vf)((vi)p + (n << 23));
+}
+
+/* tanh lane by lane: sign(x) (1 - e) / (1 + e), e = exp(-2 |x|) */
+static inline vf vtanh(vf x) {
+    vi sign = (vi){0} + INT32_MIN;
+    vf e = vexp_neg((vf)((vi)(x + x) | sign));
+    return (vf)((vi)((1.f - e) / (1.f + e)) | ((vi)x & sign));
+}
+
+static inline float exp_neg(float x) { return vexp_neg((vf){0} + x)[0]; }
+
+#define MAX_ROWS 64  /* query rows (heads x group) one task keeps state for */
+
+/* Query rows of NH KV heads (G rows each: q + (h * G + g) * D) over the keys of `num_runs`
+ * runs of consecutive slots (run i: slots first[i] .. first[i] + count[i] - 1; slot j of
+ * head h at k + j * ks + h * hs), by online softmax -> out (NH * G x D), lse (NH * G).
+ * The keys are read block by block, every head's rows within a block, so a request's keys
+ * (all heads side by side in the pool) stream through once. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *k, const float *v, int64_t hs, int64_t ks, const int64_t *first,
+    const int64_t *count, int64_t num_runs, int NH, const int G, const int C, float scale,
+    float cap, float *out, float *lse) {
+    vf acc_all[MAX_ROWS][MAX_CHUNKS];
+    float m[MAX_ROWS], s[MAX_ROWS], p[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
+    for (int r = 0; r < NH * G; r++) {
+        m[r] = -INFINITY, s[r] = 0.f;
+        for (int c = 0; c < C; c++) acc_all[r][c] = (vf){0};
+    }
+    for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
+    for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
+        int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
+        for (int h = 0; h < NH; h++) {
+            const float *kh = k + h * hs + j0 * ks, *vh = v + h * hs + j0 * ks;
+            vf qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < C; c++)
+                    qv[g][c] = loadv(q + ((h * G + g) * C + c) * VW) * scale,
+                    acc[g][c] = acc_all[h * G + g][c];
+            for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
+                int nj = n - j1 < VW ? n - j1 : VW;
+                vf part[MAX_GROUP][VW];
+                for (int j = 0; j < VW; j++) {
+                    const float *kj = kh + (j1 + (j < nj ? j : 0)) * ks;
+                    vf kv[MAX_CHUNKS];
+                    for (int c = 0; c < C; c++) kv[c] = loadv(kj + c * VW);
+                    for (int g = 0; g < G; g++) {
+                        vf a = qv[g][0] * kv[0];
+                        for (int c = 1; c < C; c++) a += qv[g][c] * kv[c];
+                        part[g][j] = a;
+                    }
+                }
+                for (int g = 0; g < G; g++) {
+                    vf r = reduce16(part[g]);
+                    if (cap > 0.f) r = cap * vtanh(r * (1.f / cap)); /* soft-capped (Gemma 2) */
+                    for (int j = nj; j < VW; j++) r[j] = -INFINITY;
+                    storev(&p[g][j1], r);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                int r = h * G + g;
+                vf mv = loadv(p[g]);
+                for (int i = 1; i < nv; i++) mv = vmax(mv, loadv(p[g] + i * VW));
+                float mx = m[r];
+                for (int i = 0; i < VW; i++) mx = mv[i] > mx ? mv[i] : mx;
+                float corr = exp_neg(m[r] - mx);
+                vf sv = {0};
+                for (int i = 0; i < nv; i++) {
+                    vf e = vexp_neg(loadv(p[g] + i * VW) - mx);
+                    storev(p[g] + i * VW, e);
+                    sv += e;
+                }
+                s[r] = s[r] * corr + hsum(sv), m[r] = mx;
+                if (corr != 1.f)
+                    for (int c = 0; c < C; c++) acc[g][c] *= corr;
+            }
+            for (int j = 0; j < n; j++) {
+                const float *vj = vh + j * ks;
+                vf vv[MAX_CHUNKS];
+                for (int c = 0; c < C; c++) vv[c] = loadv(vj + c * VW);
+                for (int g = 0; g < G; g++)
+                    for (int c = 0; c < C; c++) acc[g][c] += p[g][j] * vv[c];
+            }
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < C; c++) acc_all[h * G + g][c] = acc[g][c];
+        }
+    }
+    for (int r = 0; r < NH * G; r++) {
+        float inv = s[r] > 0.f ? 1.f / s[r] : 0.f;
+        for (int c = 0; c < C; c++) storev(out + (r * C + c) * VW, acc_all[r][c] * inv);
+        lse[r] = s[r] > 0.f ? m[r] + logf(s[r]) : -INFINITY;
+    }
+}
+
+#define SHAPE(GG, CC)                                                                      \
+    if (G == GG && C == CC) {                                                              \
+        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, GG, CC,   \
+               scale, cap, ot, lse + (b * Hkv + h0) * G);                                  \
+        continue;                                                                          \
+    }
+
+/* Decode attention of B requests, one query token each, over keys read where they lie in
+ * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
+ * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
+ * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
+ * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
+ * when cap > 0; `threads` OpenMP threads. A task is one request's heads (its keys
+ * stream through once) unless too few requests would leave threads idle: then one head.
+ * Returns 0, or -1 for shapes it does not take (D not a multiple of 16 or over 256, G over
+ * 8). */
+int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                        const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                        int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                        float *lse, int threads) {
+    if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    const int C = D / VW;
+    int per_task = B >= 4 * threads ? MAX_ROWS / G : 1; /* KV heads per task */
+    per_task = per_task < Hkv ? per_task : Hkv;
+    int64_t tasks_per_row = (Hkv + per_task - 1) / per_task;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < (int64_t)B * tasks_per_row; t++) {
+        int64_t b = t / tasks_per_row, h0 = (t % tasks_per_row) * per_task;
+        int64_t runs = run_indptr[b], num_runs = run_indptr[b + 1] - runs;
+        int nh = (int)(Hkv - h0 < per_task ? Hkv - h0 : per_task);
+        const float *qt = q + b * q_stride + h0 * G * D;
+        const float *kt = k + h0 * D, *vt = v + h0 * D;
+        float *ot = out + (b * Hkv + h0) * G * D;
+        SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8) SHAPE(2, 8) SHAPE(4, 8)
+        SHAPE(7, 4) SHAPE(7, 8) SHAPE(8, 8)
+        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, scale, cap,
+               ot, lse + (b * Hkv + h0) * G);
+    }
+    return 0;
+}
+
+/* hidden_out = x + residual (when residual is not NULL; else x is the input), then
+ * out = weight * (h * 1 / sqrt(mean(h^2) + eps)), row by row, the mean taken in double (in
+ * fp32 it moved SmolLM2's logits 1.2e-4 from float64 transformers on a test prompt, twice
+ * as far as torch's cascade sum did). x, residual: rows
+ * x_stride / r_stride floats apart; hidden_out, out contiguous (rows x dim). */
+void rf_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride,
+                 const float *weight, float eps, int64_t rows, int64_t dim, float *hidden_out,
+                 float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *hr = residual ? hidden_out + r * dim : NULL, *orow = out + r * dim;
+        double sq[VW] = {0}; /* the squares summed in double, lane by lane */
+        int64_t i = 0;
+        for (; i + VW <= dim; i += VW) {
+            vf h = loadv(xr + i);
+            if (hr) h += loadv(residual + r * r_stride + i), storev(hr + i, h);
+            for (int l = 0; l < VW; l++) sq[l] += (double)h[l] * h[l];
+        }
+        double total = 0.0;
+        for (int l = 0; l < VW; l++) total += sq[l];
+        for (; i < dim; i++) {
+            float h = xr[i] + (hr ? residual[r * r_stride + i] : 0.f);
+            if (hr) hr[i] = h;
+            total += (double)h * h;
+        }
+        const float *src = hr ? hr : xr;
+        float inv = (float)(1.0 / sqrt(total / (double)dim + eps)); /* summed in double */
+        for (i = 0; i + VW <= dim; i += VW) storev(orow + i, loadv(weight + i) * (loadv(src + i) * inv));
+        for (; i < dim; i++) orow[i] = weight[i] * (src[i] * inv);
+    }
+}
+
+/* out = silu(gate) * up with gate, up the two halves of each row of gate_up (rows x 2 * inter,
+ * rows gu_stride floats apart); out contiguous (rows x inter). silu(g) = g * sigmoid(g), the
+ * sigmoid from exp(-|g|). */
+void rf_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t inter,
+                 float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * gu_stride, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + VW <= inter; i += VW) {
+            vf x = loadv(g + i);
+            vi neg = x < 0.f, sign = (vi){0} + INT32_MIN;
+            vf e = vexp_neg((vf)((vi)x | sign)); /* exp(-|x|): x with its sign bit set */
+            vf sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
+            vf sig = (vf)(((vi)sig_neg & neg) | ((vi)sig_pos & ~neg));
+            storev(o + i, x * sig * loadv(u + i));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding of T rows of `heads` heads (x: rows x_stride floats apart, heads D apart)
+ * into out (T, heads, D) contiguous: the first `rotary` dims of each head rotate by
+ * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied. */
+void rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
+             int64_t heads, int64_t D, int64_t rotary, float *out, int threads) {
+    int64_t half = rotary / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * rotary, *s = sin + t * rotary;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * x_stride + h * D;
+            float *oh = out + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; i++) {
+                oh[i] = xh[i] * c[i] - xh[half + i] * s[i];
+                oh[half + i] = xh[half + i] * c[i] + xh[i] * s[i];
+            }
+            for (int64_t i = rotary; i < D; i++) oh[i] = xh[i];
+        }
+    }
+}
+
+/* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
+ * k and v pools of `num_slots` rows each; a slot out of range is skipped and counted. */
+int64_t rf_store_kv(float *k_pool, float *v_pool, int64_t num_slots, const int64_t *slots,
+                    const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
+                    int64_t width) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t slot = slots[i];
+        if (slot < 0 || slot >= num_slots) { bad++; continue; }
+        memcpy(k_pool + slot * width, k + i * k_stride, width * sizeof(float));
+        memcpy(v_pool + slot * width, v + i * v_stride, width * sizeof(float));
+    }
+    return bad;
+}

@@ -1,0 +1,180 @@
+"""The native CPU kernels (kernels/native.c through kernels/native.py) against their torch
+twins and the attention spec, then the model and engine with them on and off.
+
+Where the machine has a C compiler (CI's does) the kernels must build: a build that silently
+failed would leave every test here comparing torch with itself."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fused_ops import rope_tables
+from test_kernels_cpu import assert_close, indptr
+
+from radixflow.kernels import cpu_attention, native, reference
+from radixflow.runtime.models.layers import rms_norm, rope_qk
+
+LIB = native.library()
+needs_lib = pytest.mark.skipif(
+    LIB is None and shutil.which("cc") is None, reason="no C compiler on this machine"
+)
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    if shutil.which("cc") is not None:
+        assert LIB is not None, "kernels/native.c failed to build: see the log warning"
+
+
+def pooled_batch(
+    layout: str, hkv: int, group: int, dim: int, dtype=torch.float32, fill=float("nan")
+):
+    """(q, k_pool, v_pool, kv_indptr, kv_indices) of decodes whose keys are laid out as
+    `layout` says: one run each ("runs"), scattered slots ("scattered"), or several runs
+    behind a shared prefix and a request with no keys of its own ("shared"). Slots nobody
+    wrote hold `fill`, NaN by default: a kernel reading outside a request's runs poisons
+    its output (the torch path's grid needs them finite, as the runner's zeroed pool is)."""
+    gen = torch.Generator().manual_seed(100 * hkv + dim)
+    num_slots = 4000
+    k, v = (torch.full((num_slots, hkv, dim), fill, dtype=dtype) for _ in "kv")
+    order = torch.randperm(num_slots - 1, generator=gen) + 1
+    if layout != "scattered":
+        order = order.sort().values
+    cursor = 0
+
+    def alloc(n: int) -> torch.Tensor:  # then a gap: the next run does not continue this one
+        nonlocal cursor
+        slots, cursor = order[cursor : cursor + n], cursor + n + 3
+        k[slots] = torch.randn((n, hkv, dim), generator=gen).to(dtype)
+        v[slots] = torch.randn((n, hkv, dim), generator=gen).to(dtype)
+        return slots
+
+    if layout == "shared":
+        prefix = alloc(128)
+        own = [alloc(n) for n in (40, 7, 33)]
+        requests = [
+            torch.cat([prefix, alloc(20)]),
+            torch.cat([prefix, alloc(90)]),
+            torch.cat([prefix, *own]),  # three runs of its own behind the prefix
+            alloc(50),
+            prefix,  # ends where the prefix does: no keys of its own
+        ]
+    else:
+        requests = [alloc(n) for n in (1, 15, 16, 17, 64, 65, 200, 130)]
+    fused = torch.randn((len(requests), hkv * (group + 2), dim), generator=gen).to(dtype)
+    q = fused[:, : hkv * group]  # a strided view of a fused qkv output, as in the model
+    return q, k, v, indptr([len(r) for r in requests]), torch.cat(requests)
+
+
+@needs_lib
+@pytest.mark.parametrize("layout", ["runs", "scattered", "shared"])
+@pytest.mark.parametrize("shape", [(2, 3, 64), (1, 7, 128), (4, 1, 32), (2, 8, 256), (3, 5, 16)])
+@pytest.mark.parametrize("extra", [{}, {"logit_cap": 5.0}, {"sliding_window": 40}])
+def test_native_decode_attention_matches_reference(layout: str, shape: tuple, extra: dict) -> None:
+    """Every request's keys read where they lie (runs of consecutive slots) by the native
+    kernel, merged with the shared runs, equal the spec for GQA groups 1-8, head dims
+    16-256, soft-capped scores and sliding windows."""
+    hkv, group, dim = shape
+    q, k, v, kv_indptr, kv_indices = pooled_batch(layout, hkv, group, dim)
+    window = {key: val for key, val in extra.items() if key == "sliding_window"}
+    decode_layout = cpu_attention.decode_layout(kv_indptr, kv_indices, **window)
+    assert decode_layout.runs is not None  # the native path, not the torch one
+    if layout == "shared" and not window:
+        assert decode_layout.shared  # the prefix is read once, then merged
+    args = (q, k, v, kv_indptr, kv_indices, dim**-0.5)
+    out = cpu_attention.decode_attention(*args, layout=decode_layout, **extra)
+    assert not decode_layout.fallback  # the kernel took it
+    assert_close(out, reference.decode_attention(*args, **extra))
+
+
+@needs_lib
+def test_native_decode_attention_is_the_same_on_any_thread_count() -> None:
+    q, k, v, kv_indptr, kv_indices = pooled_batch("runs", 2, 3, 64)
+    runs = cpu_attention.run_table(kv_indptr, kv_indices)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(native.decode_attention(q, k, v, runs, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_decode_leaves_other_dtypes_to_torch(dtype: torch.dtype) -> None:
+    """A pool the kernel does not take (not fp32) falls back to the torch path's layout,
+    derived once and kept with the layout, with the same result as the spec."""
+    q, k, v, kv_indptr, kv_indices = pooled_batch("shared", 2, 3, 32, dtype, fill=0.0)
+    layout = cpu_attention.decode_layout(kv_indptr, kv_indices)
+    args = (q, k, v, kv_indptr, kv_indices, 32**-0.5)
+    out = cpu_attention.decode_attention(*args, layout=layout)
+    assert "torch" in layout.fallback
+    expected = reference.decode_attention(*args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=1e-2)
+
+
+@needs_lib
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dim", [576, 100])
+def test_native_rms_norm_matches_torch(residual: bool, dim: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((70, dim + 8), generator=gen)[:, :dim]  # rows strided, as a slice
+    res = torch.randn((70, dim), generator=gen) if residual else None
+    weight = torch.randn(dim, generator=gen)
+    hidden, normed = native.rms_norm(x, weight, 1e-5, res)
+    want_hidden = x + res if residual else x
+    assert torch.equal(hidden, want_hidden)  # one fp32 add: exact
+    torch.testing.assert_close(normed, rms_norm(want_hidden, weight, 1e-5), atol=2e-6, rtol=1e-5)
+
+
+@needs_lib
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_native_silu_mul_matches_torch(inter: int) -> None:
+    gate_up = torch.randn((33, 2 * inter), generator=torch.Generator().manual_seed(1)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@needs_lib
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_native_rope_matches_torch(rotary: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn((29, 16 * 64), generator=gen)
+    qk = qkv[:, : 12 * 64].view(29, 12, 64)  # a strided view of the fused output
+    cos, sin = rope_tables(64, rotary / 64, torch.randint(0, 4000, (29,), generator=gen), qk.dtype)
+    fused = native.rope(qk, cos, sin)
+    monkeypatch.setitem(native._state, "lib", None)  # rope_qk's torch path
+    torch.testing.assert_close(fused, rope_qk(qk, cos, sin))
+
+
+@needs_lib
+def test_native_store_kv_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    pools = [torch.zeros((50, 3, 16)) for _ in range(4)]
+    qkv = torch.randn((7, 9 * 16), generator=gen)
+    k, v = qkv[:, 3 * 16 : 6 * 16].view(7, 3, 16), qkv[:, 6 * 16 :].view(7, 3, 16)
+    slots = torch.tensor([4, 49, 1, 17, 18, 30, 2])
+    assert native.store_kv(pools[0], pools[1], slots, k, v)
+    reference.store_kv(pools[2], pools[3], slots, k, v)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(IndexError):
+        native.store_kv(pools[0], pools[1], torch.tensor([3, 50]), k[:2], v[:2])
+
+
+@needs_lib
+def test_engine_greedy_output_same_with_and_without_native(engine, monkeypatch) -> None:
+    """SmolLM2 through the public API: 6 prompts decoded together, greedy, with the native
+    kernels and with the torch path, give the same tokens."""
+    prompts = [f"Count from {i} to {i + 20}:" for i in range(6)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    engine.flush_cache()
+    on = [r["output_ids"] for r in engine.generate(prompts, params)]
+    monkeypatch.setitem(native._state, "lib", None)
+    engine.flush_cache()
+    off = [r["output_ids"] for r in engine.generate(prompts, params)]
+    assert on == off
