@@ -33,6 +33,8 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """These are the torch fast path's tests: the native kernels (tests/test_native.py)
     are off unless a test turns them back on."""
     monkeypatch.setitem(native._state, "lib", None)
+
+
 TOLERANCE = {torch.float32: (2e-6, 0.0), torch.float16: (1e-3, 1e-3)}  # (atol, rtol)
 
 
