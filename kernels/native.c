@@ -91,10 +91,17 @@ static inline float exp_neg(float x) { return vexp_neg((vf){0} + x)[0]; }
  * head h at k + j * ks + h * hs), by online softmax -> out (NH * G x D), lse (NH * G).
  * The keys are read block by block, every head's rows within a block, so a request's keys
  * (all heads side by side in the pool) stream through once. */
+static inline void prefetch_rows(const float *k, const float *v, int64_t ks, int64_t row,
+                                 int64_t n, int64_t width) {
+    for (int64_t j = row; j < row + n; j++)
+        for (int64_t off = 0; off < width; off += 16)
+            __builtin_prefetch(k + j * ks + off), __builtin_prefetch(v + j * ks + off);
+}
+
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *k, const float *v, int64_t hs, int64_t ks, const int64_t *first,
     const int64_t *count, int64_t num_runs, int NH, const int G, const int C, float scale,
-    float cap, float *out, float *lse) {
+    float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
     vf acc_all[MAX_ROWS][MAX_CHUNKS];
     float m[MAX_ROWS], s[MAX_ROWS], p[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
     for (int r = 0; r < NH * G; r++) {
@@ -104,6 +111,16 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
     for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
         int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
+        /* The next block's rows (all NH heads), or the next task's first ones: the hardware
+         * prefetchers stop at every 4 KB page, and a pool row is 768 B of SmolLM2's keys. */
+        int64_t width = (NH - 1) * hs + C * VW;
+        if (j0 + BLOCK < end)
+            prefetch_rows(k, v, ks, j0 + BLOCK, end - j0 - BLOCK < BLOCK ? end - j0 - BLOCK : BLOCK,
+                          width);
+        else if (i + 1 < num_runs)
+            prefetch_rows(k, v, ks, first[i + 1], count[i + 1] < BLOCK ? count[i + 1] : BLOCK, width);
+        else if (next_count > 0)
+            prefetch_rows(k, v, ks, next_slot, next_count < BLOCK ? next_count : BLOCK, width);
         for (int h = 0; h < NH; h++) {
             const float *kh = k + h * hs + j0 * ks, *vh = v + h * hs + j0 * ks;
             vf qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
@@ -169,7 +186,7 @@ static inline __attribute__((always_inline)) void attend(
 #define SHAPE(GG, CC)                                                                      \
     if (G == GG && C == CC) {                                                              \
         attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, GG, CC,   \
-               scale, cap, ot, lse + (b * Hkv + h0) * G);                                  \
+               scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);           \
         continue;                                                                          \
     }
 
@@ -196,13 +213,16 @@ int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const 
         int64_t b = t / tasks_per_row, h0 = (t % tasks_per_row) * per_task;
         int64_t runs = run_indptr[b], num_runs = run_indptr[b + 1] - runs;
         int nh = (int)(Hkv - h0 < per_task ? Hkv - h0 : per_task);
+        int64_t next = (t + 1) / tasks_per_row, next_slot = 0, next_count = 0; /* its request */
+        if (next > b && next < B && run_indptr[next + 1] > run_indptr[next])
+            next_slot = first[run_indptr[next]], next_count = count[run_indptr[next]];
         const float *qt = q + b * q_stride + h0 * G * D;
         const float *kt = k + h0 * D, *vt = v + h0 * D;
         float *ot = out + (b * Hkv + h0) * G * D;
         SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8) SHAPE(2, 8) SHAPE(4, 8)
         SHAPE(7, 4) SHAPE(7, 8) SHAPE(8, 8)
         attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, scale, cap,
-               ot, lse + (b * Hkv + h0) * G);
+               ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
     }
     return 0;
 }

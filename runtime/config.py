@@ -81,6 +81,11 @@ class ServerConfig:
         "CPU fp32: multiply with F.linear instead of weights prepacked for MKL's sgemm (the "
         "packed copies are faster at decode sizes and cost one more copy of the weights)",
     )
+    disable_kv_prefault: bool = _knob(
+        False,
+        "CPU: leave the KV pool's pages unwritten until requests first use them (less memory "
+        "at start; each first write then page-faults inside a serving step)",
+    )
     disable_shared_prefix_attention: bool = _knob(
         False, "Triton decode: read KV runs shared by several requests per request (ablation)"
     )

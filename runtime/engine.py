@@ -104,6 +104,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         shared_prefix=not config.disable_shared_prefix_attention,
         cuda_graph_max_bs=graph_max_bs(config, model),
         max_kv_len=context_len,
+        prefault=not config.disable_kv_prefault,
     )
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)

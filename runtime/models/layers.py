@@ -305,20 +305,21 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         ops: AttentionOps,
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is hidden + residual (hidden alone when residual is None); so is
+        its output (mlp, hidden): the last residual add is left to the next norm, which does
+        it in the same pass (`add_rms_norm`)."""
         c = self.config
-        hidden, x = add_rms_norm(hidden, self.input_norm, c.rms_norm_eps, c.norm_offset)
+        eps, offset = c.rms_norm_eps, c.norm_offset
+        hidden, x = add_rms_norm(hidden, self.input_norm, eps, offset, residual=residual)
         attn = self.o_proj(self._attention(x, rope, batch, k_cache, v_cache, ops))
         if c.sandwich_norm:
-            attn = rms_norm(attn, self.post_attention_norm, c.rms_norm_eps, c.norm_offset)
-            hidden = hidden + attn
-            x = rms_norm(hidden, self.pre_feedforward_norm, c.rms_norm_eps, c.norm_offset)
-            mlp = rms_norm(self._mlp(x), self.post_feedforward_norm, c.rms_norm_eps, c.norm_offset)
-            return hidden + mlp
-        hidden, x = add_rms_norm(
-            attn, self.post_attention_norm, c.rms_norm_eps, c.norm_offset, residual=hidden
-        )
-        return hidden + self._mlp(x)
+            attn = rms_norm(attn, self.post_attention_norm, eps, offset)
+            hidden, x = add_rms_norm(attn, self.pre_feedforward_norm, eps, offset, residual=hidden)
+            return rms_norm(self._mlp(x), self.post_feedforward_norm, eps, offset), hidden
+        hidden, x = add_rms_norm(attn, self.post_attention_norm, eps, offset, residual=hidden)
+        return self._mlp(x), hidden
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -425,12 +426,17 @@ class CausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         rope = self.rope(batch.positions, hidden.dtype)
         local_rope = self.sliding_rope(batch.positions, hidden.dtype) if self.sliding_rope else rope
+        residual = None
         for i, layer in enumerate(self.layers):
             layer_rope = local_rope if layer.window else rope
-            hidden = layer(hidden, layer_rope, batch, k_caches[i], v_caches[i], self.ops)
-        hidden = hidden[batch.logit_rows]
+            hidden, residual = layer(
+                hidden, layer_rope, batch, k_caches[i], v_caches[i], self.ops, residual
+            )
+        rows = batch.logit_rows
         c = self.config
-        _, hidden = add_rms_norm(hidden, self.norm, c.rms_norm_eps, c.norm_offset)
+        _, hidden = add_rms_norm(
+            hidden[rows], self.norm, c.rms_norm_eps, c.norm_offset, residual=residual[rows]
+        )
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = prepack.linear(hidden, weight, self.head_pack)  # (R, vocab) or a shard's
         if self.gather_logits is not None:
