@@ -317,3 +317,31 @@ int64_t rf_store_kv(float *k_pool, float *v_pool, int64_t num_slots, const int64
     }
     return bad;
 }
+
+/* Each row's largest value and the index of its first occurrence (NaNs are passed over), for
+ * `rows` rows of `cols` floats, rows x_stride floats apart: what torch's max(dim=-1) gives
+ * for finite logits, in one vectorized pass instead of its scalar compare loop. */
+void rf_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t cols, float *top,
+               int64_t *index, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        vf best = (vf){0} - INFINITY;
+        vi at = (vi){0} - 1, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        int64_t i = 0;
+        for (; i + VW <= cols && i + VW <= INT32_MAX; i += VW) {
+            vf v = loadv(xr + i);
+            vi gt = v > best; /* strictly: the first occurrence stays */
+            best = (vf)(((vi)v & gt) | ((vi)best & ~gt));
+            at = ((lane + (int32_t)i) & gt) | (at & ~gt);
+        }
+        float m = -INFINITY;
+        int64_t where = -1;
+        for (int l = 0; l < VW; l++)
+            if (at[l] >= 0 && (best[l] > m || (best[l] == m && at[l] < where)))
+                m = best[l], where = at[l];
+        for (; i < cols; i++)
+            if (xr[i] > m) m = xr[i], where = i;
+        top[r] = m, index[r] = where < 0 ? 0 : where;
+    }
+}

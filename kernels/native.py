@@ -1,6 +1,7 @@
 """Native CPU kernels (`kernels/native.c`), built at first use with the system C compiler and
 called through ctypes: decode attention over keys read in place, RMSNorm with its residual
-add, silu·up, rotary embedding and KV stores, each one pass over fp32 tensors.
+add, silu·up, rotary embedding, KV stores and the greedy argmax, each one pass over fp32
+tensors.
 
 Why: at 64 decode streams, torch's fused attention runs each (request, KV head) as tiny
 matmuls (3 query rows) and spent 515 us a layer at 85 keys where this loop takes 262 us
@@ -46,6 +47,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
     "rf_rope": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _C]),
     "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I]),
+    "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
 }
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
@@ -250,3 +252,20 @@ def store_kv(
     if bad:
         raise IndexError(f"{bad} of {len(slots)} slots outside the pool of {k_pool.shape[0]}")
     return True
+
+
+def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, indices) of each row's maximum of (S, V) fp32 logits, the first index on
+    ties: `logits.max(dim=-1)` in one pass (torch's took 3 ms for 64 x 49152 on 2 threads).
+    None where not taken."""
+    lib = library()
+    if lib is None or logits.dim() != 2 or not _fits(logits) or logits.stride(-1) != 1:
+        return None
+    rows, cols = logits.shape
+    top = torch.empty(rows)
+    index = torch.empty(rows, dtype=torch.int64)
+    lib.rf_argmax(
+        logits.data_ptr(), logits.stride(0), rows, cols, top.data_ptr(), index.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return top, index

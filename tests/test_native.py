@@ -178,3 +178,20 @@ def test_engine_greedy_output_same_with_and_without_native(engine, monkeypatch) 
     engine.flush_cache()
     off = [r["output_ids"] for r in engine.generate(prompts, params)]
     assert on == off
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", [(64, 49152), (1, 49152), (3, 17), (5, 40)])
+def test_native_argmax_matches_torch_max(shape: tuple) -> None:
+    """The first index of each row's maximum, as torch's max(dim=-1) returns it: a tie
+    between the row's 4th and last entries, a row of -inf (a grammar that bans every
+    token but EOS is masked elsewhere; this is the degenerate case), a strided view."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn((shape[0], shape[1] + 3), generator=gen)[:, : shape[1]]
+    logits[0, 3] = logits[0].max() + 1
+    logits[0, -1] = logits[0, 3]
+    if shape[0] > 1:
+        logits[1] = -float("inf")
+    top, index = native.argmax(logits)
+    want_top, want_index = logits.max(dim=-1)
+    assert torch.equal(index, want_index) and torch.equal(top, want_top)
