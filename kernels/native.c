@@ -10,6 +10,7 @@
  * do not depend on the thread count. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float vf __attribute__((vector_size(64)));
@@ -190,32 +191,56 @@ static inline __attribute__((always_inline)) void attend(
         continue;                                                                          \
     }
 
+typedef struct { int64_t cost, b, h0, nh; } Task;
+
+static int costlier_first(const void *x, const void *y) {
+    int64_t a = ((const Task *)x)->cost, b = ((const Task *)y)->cost;
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
 /* Decode attention of B requests, one query token each, over keys read where they lie in
  * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
  * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
  * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
  * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
- * when cap > 0; `threads` OpenMP threads. A task is one request's heads (its keys
- * stream through once) unless too few requests would leave threads idle: then one head.
- * Returns 0, or -1 for shapes it does not take (D not a multiple of 16 or over 256, G over
- * 8). */
+ * when cap > 0; `threads` OpenMP threads. Returns 0, or -1 for shapes it does not take (D
+ * not a multiple of 16 or over 256, G over 8), -2 when out of memory. */
 int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                         const int64_t *run_indptr, const int64_t *first, const int64_t *count,
                         int B, int Hkv, int G, int D, float scale, float cap, float *out,
                         float *lse, int threads) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
     const int C = D / VW;
-    int per_task = B >= 4 * threads ? MAX_ROWS / G : 1; /* KV heads per task */
-    per_task = per_task < Hkv ? per_task : Hkv;
-    int64_t tasks_per_row = (Hkv + per_task - 1) / per_task;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < (int64_t)B * tasks_per_row; t++) {
-        int64_t b = t / tasks_per_row, h0 = (t % tasks_per_row) * per_task;
+    int64_t total = 0;
+    for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
+    /* A request is one task (its keys stream through once) unless its keys are more than a
+     * thread's even share of the batch's: then one task per KV head, so that one long
+     * request beside short ones does not leave the other threads idle. Costliest first,
+     * handed out one at a time. */
+    Task *tasks = malloc(sizeof(Task) * ((size_t)B * Hkv + 1));
+    if (!tasks) return -2;
+    int64_t num_tasks = 0, share = total / (threads > 0 ? threads : 1);
+    int heads_per_task = MAX_ROWS / G < Hkv ? MAX_ROWS / G : Hkv;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t keys = 0;
+        for (int64_t r = run_indptr[b]; r < run_indptr[b + 1]; r++) keys += count[r];
+        int per = keys > share || B < threads ? 1 : heads_per_task;
+        for (int64_t h0 = 0; h0 < Hkv; h0 += per)
+            tasks[num_tasks++] = (Task){keys * (Hkv - h0 < per ? Hkv - h0 : per), b, h0,
+                                        Hkv - h0 < per ? Hkv - h0 : per};
+    }
+    qsort(tasks, num_tasks, sizeof(Task), costlier_first);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < num_tasks; i++) {
+        int64_t b = tasks[i].b, h0 = tasks[i].h0;
+        int nh = (int)tasks[i].nh;
         int64_t runs = run_indptr[b], num_runs = run_indptr[b + 1] - runs;
-        int nh = (int)(Hkv - h0 < per_task ? Hkv - h0 : per_task);
-        int64_t next = (t + 1) / tasks_per_row, next_slot = 0, next_count = 0; /* its request */
-        if (next > b && next < B && run_indptr[next + 1] > run_indptr[next])
-            next_slot = first[run_indptr[next]], next_count = count[run_indptr[next]];
+        int64_t next_slot = 0, next_count = 0; /* the next task's first keys, to prefetch */
+        if (i + 1 < num_tasks && tasks[i + 1].b != b) {
+            int64_t nb = tasks[i + 1].b;
+            if (run_indptr[nb + 1] > run_indptr[nb])
+                next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
+        }
         const float *qt = q + b * q_stride + h0 * G * D;
         const float *kt = k + h0 * D, *vt = v + h0 * D;
         float *ot = out + (b * Hkv + h0) * G * D;
@@ -224,6 +249,7 @@ int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const 
         attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, scale, cap,
                ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
     }
+    free(tasks);
     return 0;
 }
 
