@@ -178,19 +178,34 @@ def decode_attention(
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
     layout = layout or decode_layout(kv_indptr, kv_indices, sliding_window)
+    fast = None
     if layout.runs is not None:
         fast = native.decode_attention(q, k_buffer, v_buffer, layout.runs, sm_scale, logit_cap)
-        if fast is not None:
-            out, lse = fast
-            if layout.shared:
-                _merge_shared(
-                    out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
-                    layout.shared_starts,
-                )  # fmt: skip
-            return out.to(q.dtype)
-        if "torch" not in layout.fallback:  # a pool the kernel does not take (not fp32)
-            layout.fallback["torch"] = decode_layout(kv_indptr, kv_indices, sliding_window, False)
-        layout = layout.fallback["torch"]
+        if fast is None:  # a pool the kernel does not take (not fp32): torch's layout, once
+            if "torch" not in layout.fallback:
+                layout.fallback["torch"] = decode_layout(
+                    kv_indptr, kv_indices, sliding_window, False
+                )
+            layout = layout.fallback["torch"]
+    out, lse = fast or _own_keys(q, k_buffer, v_buffer, layout, sm_scale, logit_cap)
+    if layout.shared:
+        _merge_shared(
+            out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
+            layout.shared_starts,
+        )  # fmt: skip
+    return out.to(q.dtype)
+
+
+def _own_keys(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    layout: DecodeLayout,
+    sm_scale: float,
+    logit_cap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path over each request's keys after the shared runs (views, the grid and
+    its heads, gathered groups) -> fp32 out (B, H, D), lse (B, H)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if layout.views:
@@ -231,12 +246,7 @@ def decode_attention(
         )
         out.index_copy_(0, rows, part)
         lse.index_copy_(0, rows, part_lse)
-    if layout.shared:
-        _merge_shared(
-            out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
-            layout.shared_starts,
-        )  # fmt: skip
-    return out.to(q.dtype)
+    return out, lse
 
 
 def _group_attention(

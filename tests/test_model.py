@@ -251,3 +251,21 @@ def test_stream_is_cumulative_and_utf8_safe(engine):
     assert final["text"].startswith(texts[-1].rstrip()) or final["text"] == texts[-1]
     whole = engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0})
     assert whole["text"] == final["text"]
+
+
+def test_cpu_kv_pool_is_prefaulted_unless_disabled(engine):
+    """The runner writes its CPU pool at start, so a step's first KV writes into fresh pages
+    do not page-fault; `prefault=False` (the Engine's --disable-kv-prefault) leaves them."""
+    import resource
+
+    from radixflow.runtime.model_runner import ModelRunner
+
+    faults = {}
+    for prefault in (True, False):
+        runner = ModelRunner(engine._loaded.model, 2048, prefault=prefault)
+        pages = runner.k_caches.view(-1)[:: 4096 // 4]  # one float on every 4 KB page
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        pages.fill_(1.0)
+        faults[prefault] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        del runner, pages
+    assert faults[True] < 10 < faults[False], faults
