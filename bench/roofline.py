@@ -18,13 +18,13 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, Any]:
     norms and sampling are left out, so no engine can reach the figure.
 
     Each layer has its own weights (up to MAX_DISTINCT_BYTES, then they repeat), so the pass
-    streams them from memory as a model does. It is timed two ways, with `F.linear` and from
-    weights prepacked for MKL (what radixflow's CPU path multiplies with where torch has MKL),
-    and the faster is the roofline: an engine's own matmuls must not beat its roofline. The
-    figure of the first definition (`F.linear` over one layer's weights, reused by every
-    layer, which can stay in cache) is kept as `roofline_reused_tokens_per_s`."""
+    streams them from memory as a model does. It is timed with `F.linear` and from weights
+    prepacked in each layout this torch offers (oneDNN's, MKL's: what radixflow's CPU path
+    may multiply with, `runtime/models/prepack.py`), and the fastest is the roofline: an
+    engine's own matmuls must not beat its roofline. The figure of the first definition
+    (`F.linear` over one layer's weights, reused by every layer, which can stay in cache) is
+    kept as `roofline_reused_tokens_per_s`."""
     import torch
-    import torch.nn.functional as F
 
     from radixflow.runtime.models import prepack
 
@@ -43,20 +43,20 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, Any]:
     ]
     head = torch.randn(config["vocab_size"], hidden) / hidden**0.5
     inputs = [torch.randn(batch, n_in) for n_in, _ in shapes] + [torch.randn(batch, hidden)]
-    can_pack = prepack.available(head.device, head.dtype)
-    packs = [[prepack.pack(w) for w in ws] for ws in layers] if can_pack else []
-    head_pack = prepack.pack(head) if can_pack else None
+    pack_ways = prepack.available_ways(head.device, head.dtype)
+    packs = {way: [[prepack.pack(w, way, 1) for w in ws] for ws in layers] for way in pack_ways}
+    head_packs = {way: prepack.pack(head, way, 1) for way in pack_ways}
 
-    def one_pass(reuse: bool, packed: bool) -> None:
+    def one_pass(reuse: bool, way: str) -> None:
         for i in range(num_layers):
             j = 0 if reuse else i % distinct
-            for n, (x, w) in enumerate(zip(inputs, layers[j])):
-                prepack.linear(x, w, packs[j][n]) if packed else F.linear(x, w)
-        prepack.linear(inputs[-1], head, head_pack) if packed else F.linear(inputs[-1], head)
+            layer_packs = packs[way][j] if way in packs else [None] * len(shapes)
+            for x, w, packed in zip(inputs, layers[j], layer_packs):
+                prepack.linear(x, w, packed)
+        prepack.linear(inputs[-1], head, head_packs.get(way))
 
-    ways = {"reused": (True, False), "linear": (False, False)}
-    if can_pack:
-        ways["packed"] = (False, True)
+    ways = {"reused": (True, "linear"), "F.linear": (False, "linear")}
+    ways |= {f"{way} prepacked": (False, way) for way in pack_ways}
     best = dict.fromkeys(ways, float("inf"))
     for args in ways.values():
         one_pass(*args)  # warm-up
@@ -65,17 +65,19 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, Any]:
             start = time.perf_counter()
             one_pass(*args)
             best[name] = min(best[name], time.perf_counter() - start)
-    fastest = min(best[name] for name in ways if name != "reused")
+    fastest_way = min((name for name in ways if name != "reused"), key=best.__getitem__)
+    fastest = best[fastest_way]
     params = num_layers * sum(a * b for a, b in shapes) + head.numel()
     return {
         "roofline_batch": batch,
         # three significant digits: a tiny model on a busy CPU must not round to 0 GFLOP/s
         "fp32_matmul_gflops": float(f"{2 * params * batch / fastest / 1e9:.3g}"),
         "roofline_tokens_per_s": float(f"{batch / fastest:.3g}"),
-        "roofline_way": "mkl prepacked"
-        if best.get("packed", float("inf")) == fastest
-        else "F.linear",
-        "roofline_linear_tokens_per_s": float(f"{batch / best['linear']:.3g}"),
+        "roofline_way": fastest_way,
+        "roofline_ways_tokens_per_s": {
+            name: float(f"{batch / t:.3g}") for name, t in best.items() if name != "reused"
+        },
+        "roofline_linear_tokens_per_s": float(f"{batch / best['F.linear']:.3g}"),
         "roofline_reused_tokens_per_s": float(f"{batch / best['reused']:.3g}"),
     }
 

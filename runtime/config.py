@@ -19,6 +19,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
 
@@ -76,10 +77,14 @@ class ServerConfig:
     cuda_graph_max_bs: int = _knob(
         256, "largest decode batch captured as a CUDA graph (capped by --max-running-requests)"
     )
+    cpu_matmul: str = _knob(
+        "auto",
+        "CPU fp32 matmuls: from weights prepacked once for oneDNN ('onednn') or MKL ('mkl'), "
+        "or F.linear ('linear'); 'auto' times all three on the model's shapes at load and "
+        "keeps the fastest (the packed copies cost one more copy of the weights)",
+    )
     disable_cpu_weight_prepack: bool = _knob(
-        False,
-        "CPU fp32: multiply with F.linear instead of weights prepacked for MKL's sgemm (the "
-        "packed copies are faster at decode sizes and cost one more copy of the weights)",
+        False, "CPU fp32: multiply with F.linear, packing nothing (same as --cpu-matmul linear)"
     )
     disable_kv_prefault: bool = _knob(
         False,
@@ -153,6 +158,7 @@ class ServerConfig:
                 "speculative_disable_by_batch_size must be >= 0",
             ),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {CPU_MATMULS}"),
             (
                 not self.trust_remote_code,
                 "--trust-remote-code is not supported: radixflow never runs model code from a "

@@ -54,7 +54,7 @@ def load_model(
     model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
     if not config.disable_cpu_weight_prepack:
-        prepack(model)
+        prepack(model, config.cpu_matmul)
     return model
 
 

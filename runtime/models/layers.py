@@ -410,7 +410,7 @@ class CausalLM(nn.Module):
         self.sliding_rope = Rope(config, *config.sliding_rope) if config.sliding_rope else None
         # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.head_pack: torch.Tensor | None = None  # the LM head packed for MKL (prepack.py)
+        self.head_pack: prepack.Packed | None = None  # the LM head's packed copy (prepack.py)
 
     @torch.inference_mode()
     def forward(

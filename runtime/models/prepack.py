@@ -1,87 +1,128 @@
-"""fp32 CPU weights prepacked for MKL's sgemm.
+"""fp32 CPU weights prepacked once for the fastest sgemm this machine has.
 
 `F.linear` hands MKL the weight as it is stored, and MKL repacks it into its blocked layout
 on every call. At decode sizes (a few to a few hundred rows) that repacking is a large share
-of each matmul: a 64-row step of SmolLM2's projections ran in 0.7-0.8x the time from a
-packed copy on this project's Xeon. `prepack` packs each projection and the LM head once,
-after loading; the model then multiplies through `torch.ops.mkl._mkl_linear`.
+of each matmul. `prepack` packs each projection and the LM head once, after loading, in one
+of two layouts:
 
-- The packed layout does not depend on the number of rows (MKL sizes it from the weight's
-  shape alone), so one pack serves every batch size. `_mkl_linear` falls back to a plain
-  linear unless told the rows it was packed for, so each call passes its own row count. A
-  check at pack time compares both paths on a few row counts and keeps `F.linear` if they
-  disagree (an MKL whose layout did depend on the rows).
+- **onednn**: oneDNN's blocked layout (`mkldnn._reorder_linear_weight`), multiplied by
+  `mkldnn._linear_pointwise`. oneDNN picks its kernels by the CPU's instruction sets, not
+  its vendor: on this project's AMD EPYC (AVX-512) a 64-row step of SmolLM2's matmuls took
+  0.57x F.linear's time (173 against 113 GFLOP/s), 4 rows 0.36x and 1 row 0.6x.
+- **mkl**: MKL's packed layout (`mkl._mkl_reorder_linear_weight`), multiplied by
+  `mkl._mkl_linear`. On this project's Xeon it took 0.7-0.8x F.linear's time at 64 rows;
+  on the AMD EPYC, 0.9-1.1x (MKL's AMD path does not use AVX-512).
+
+`auto` (the default) times F.linear and both layouts on the model's own first-layer weights
+and LM head at DECODE_ROWS rows and keeps the fastest (a layout must beat the one before it
+in `WAYS` by MARGIN, so that noise does not flip the choice between runs); then, at one row,
+whether the pack or F.linear serves single streams. The choice is made once per process for
+a set of shapes (`_CHOICES`), so engines of one model in one process multiply alike.
+
+- Both packed layouts serve any number of rows (they are sized from the weight alone; each
+  call passes its own row count). A check at pack time compares the chosen layout with
+  F.linear on a few row counts and falls back to F.linear if they disagree.
 - The plain weights stay (tensor-parallel sharding, tests and the loader read them), so the
   packed copies cost one more copy of the projection and head weights in memory, paid before
   the KV pool is sized from what is left.
-- Results match `F.linear` to fp32 rounding (about 1e-6), not bit for bit. A single decode
-  (fewer than PACKED_MIN_ROWS rows) still goes through `F.linear`.
+- Results match `F.linear` to fp32 rounding (about 1e-6), not bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
-PACK_ROWS = 64  # the row count MKL is told at pack time; the layout does not depend on it
-# Fewer rows go through F.linear, whose matrix-vector path wins there: at 1 row it took
-# 0.70-0.99x the packed time per SmolLM2 projection, while at 4 rows the packed one was
-# 1.1-2.6x faster (2 threads).
-PACKED_MIN_ROWS = 4
+WAYS = ("linear", "mkl", "onednn")  # later ways must win by MARGIN to be chosen
+MARGIN = 0.9  # a way is chosen over an earlier one below this share of its time
+DECODE_ROWS = 64  # rows of the calibration (and the row count the layouts are packed for)
+PACKED_MIN_ROWS = 4  # default: fewer rows go through F.linear (MKL's matrix-vector path)
+_CHOICES: dict[tuple[object, ...], tuple[str, int]] = {}  # shapes -> (way, min_rows)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight's packed copy in `way`'s layout ("onednn" or "mkl"; torch holds both as
+    opaque mkldnn tensors), used for calls of at least `min_rows` rows (fewer go through
+    F.linear)."""
+
+    tensor: torch.Tensor
+    way: str
+    min_rows: int = PACKED_MIN_ROWS
+
+
+def available_ways(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The packed layouts this torch offers for `dtype` on `device`: fp32 on a CPU build with
+    MKL (x86) and oneDNN."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return []
+    ways = []
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        ways.append("mkl")
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ways.append("onednn")
+    return ways
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch can pack weights of `dtype` on `device`: fp32 on a CPU build
-    with MKL (x86)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
+    """Whether this torch can pack weights of `dtype` on `device` at all."""
+    return bool(available_ways(device, dtype))
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed copy of an (out, in) fp32 weight."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
+def pack(weight: torch.Tensor, way: str = "mkl", min_rows: int = PACKED_MIN_ROWS) -> Packed:
+    """The packed copy of an (out, in) fp32 weight in `way`'s layout."""
+    weight = weight.detach()
+    if way == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS)
+        return Packed(packed, way, min_rows)
+    if way == "mkl":
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, DECODE_ROWS)
+        return Packed(packed, way, min_rows)
+    raise ValueError(f"unknown packed layout {way!r}; known: mkl, onednn")
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: torch.Tensor | None,
+    packed: Packed | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, from `packed` when there is one and the rows are many."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if packed is None or rows < PACKED_MIN_ROWS:
+    if packed is None or rows < packed.min_rows:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)
+    flat = x.reshape(rows, x.shape[-1])  # (rows, in)
+    if packed.way == "onednn":
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed.tensor, bias, "none", [], "")
+    else:
+        out = torch.ops.mkl._mkl_linear(flat, packed.tensor, weight, bias, rows)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class PackedLinear(nn.Module):
     """An `nn.Linear` (same `weight` and `bias` parameters) multiplied from a packed copy."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: nn.Linear, packed: Packed) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = pack(linear.weight) if packed is None else packed
+        self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.packed, self.bias)
 
 
-def agrees(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `packed` reproduces `F.linear` at row counts other than PACK_ROWS."""
+def agrees(weight: torch.Tensor, packed: Packed) -> bool:
+    """Whether `packed` reproduces `F.linear` at row counts other than DECODE_ROWS."""
     generator = torch.Generator().manual_seed(0)
-    for rows in (PACKED_MIN_ROWS, 7, PACK_ROWS + 3):
+    for rows in (packed.min_rows, 7, DECODE_ROWS + 3):
         x = torch.randn(rows, weight.shape[1], generator=generator)
         want = F.linear(x, weight)
         if not torch.allclose(linear(x, weight, packed), want, rtol=1e-4, atol=1e-4):
@@ -89,13 +130,61 @@ def agrees(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     return True
 
 
-def prepack(model: nn.Module) -> int:
+def _median_times(calls: dict[str, list], rows: int, rounds: int = 5) -> dict[str, float]:
+    """Median seconds of one pass of each way's calls over `rows` rows, ways interleaved.
+    `calls[way]` holds (weight, Packed | None) pairs."""
+    widths = {w.shape[1] for pairs in calls.values() for w, _ in pairs}
+    inputs = {width: torch.randn(rows, width) for width in widths}
+    times: dict[str, list[float]] = {way: [] for way in calls}
+    for round_ in range(rounds + 1):
+        for way, pairs in calls.items():
+            start = time.perf_counter()
+            for weight, packed in pairs:
+                linear(inputs[weight.shape[1]], weight, packed)
+            if round_:  # the first round warms up (and builds oneDNN's kernels)
+                times[way].append(time.perf_counter() - start)
+    return {way: statistics.median(t) for way, t in times.items()}
+
+
+def choose(weights: list[torch.Tensor], ways: list[str]) -> tuple[str, int]:
+    """-> (way, min_rows) for a model whose matmuls look like `weights` (its first layer's
+    projections and its LM head): the fastest of F.linear and the packed `ways` at
+    DECODE_ROWS rows, then the rows from which that pack beats F.linear (1 or
+    PACKED_MIN_ROWS). Made once per process for a set of shapes."""
+    key = (tuple(tuple(w.shape) for w in weights), tuple(ways), torch.get_num_threads())
+    if key in _CHOICES:
+        return _CHOICES[key]
+    packs = {way: [pack(w, way, min_rows=1) for w in weights] for way in ways}
+    calls = {"linear": [(w, None) for w in weights]}
+    calls |= {way: list(zip(weights, packs[way])) for way in ways}
+    many = _median_times(calls, DECODE_ROWS)
+    best = "linear"
+    for way in WAYS[1:]:
+        if way in many and many[way] < MARGIN * many[best]:
+            best = way
+    min_rows = PACKED_MIN_ROWS
+    if best != "linear":
+        one = _median_times({"linear": calls["linear"], best: calls[best]}, 1)
+        min_rows = 1 if one[best] < MARGIN * one["linear"] else PACKED_MIN_ROWS
+    log.info(
+        "CPU matmuls: %s from %d rows (%s at %d rows)",
+        best, min_rows, ", ".join(f"{w} {t * 1e3:.2f} ms" for w, t in many.items()), DECODE_ROWS,
+    )  # fmt: skip
+    _CHOICES[key] = (best, min_rows)
+    return best, min_rows
+
+
+def prepack(model: nn.Module, way: str = "auto") -> str:
     """Replace the model's `nn.Linear` projections by `PackedLinear` and pack its LM head
-    (`model.head_pack`). Returns the number of weights packed; 0 where this torch cannot
-    pack the model's weights or the packed path disagrees with `F.linear`."""
+    (`model.head_pack`), in `way`'s layout ("mkl", "onednn", or "auto": `choose`). Returns
+    the way used: "linear" (nothing packed) where this torch cannot pack the model's weights,
+    the timing chose F.linear, or the packed path disagrees with it."""
     param = next(model.parameters())
-    if not available(param.device, param.dtype):
-        return 0
+    ways = available_ways(param.device, param.dtype)
+    if way != "auto" and way not in ways:
+        if way != "linear":
+            log.warning("CPU matmul way %r is not available here (%s): F.linear", way, ways)
+        return "linear"
     with torch.inference_mode():
         found = [
             (parent, name, child)
@@ -103,17 +192,24 @@ def prepack(model: nn.Module) -> int:
             for name, child in parent.named_children()
             if type(child) is nn.Linear
         ]
-        if not found:
-            return 0
-        first = pack(found[0][2].weight)  # checked once, then used
-        if not agrees(found[0][2].weight, first):
-            log.warning("MKL's packed sgemm disagrees with F.linear here: weights left unpacked")
-            return 0
-        for i, (parent, name, child) in enumerate(found):
-            setattr(parent, name, PackedLinear(child, first if i == 0 else None))
+        if not found or not ways:
+            return "linear"
         head = getattr(model, "lm_head", None)  # untied: packed with the projections
-        if isinstance(head, PackedLinear):
-            model.head_pack = head.packed
-        else:
-            model.head_pack = pack(model.embed_tokens.weight if head is None else head.weight)
-    return len(found) + 1
+        head_weight = model.embed_tokens.weight if head is None else head.weight
+        min_rows = PACKED_MIN_ROWS if way == "mkl" else 1
+        if way == "auto":
+            layer = [child.weight for _, _, child in found[:4]]
+            way, min_rows = choose([*layer, head_weight], ways)
+            if way == "linear":
+                return way
+        first = pack(found[0][2].weight, way, min_rows)  # checked once, then used
+        if not agrees(found[0][2].weight, first):
+            log.warning("packed %s sgemm disagrees with F.linear here: weights left unpacked", way)
+            return "linear"
+        for i, (parent, name, child) in enumerate(found):
+            packed = first if i == 0 else pack(child.weight, way, min_rows)
+            setattr(parent, name, PackedLinear(child, packed))
+        model.head_pack = pack(head_weight, way, min_rows) if head is None else None
+        if isinstance(getattr(model, "lm_head", None), PackedLinear):
+            model.head_pack = model.lm_head.packed
+    return way
