@@ -87,99 +87,108 @@ static inline float exp_neg(float x) { return vexp_neg((vf){0} + x)[0]; }
 
 #define MAX_ROWS 64  /* query rows (heads x group) one task keeps state for */
 
+/* A prefetch cursor over slots [row, end) of the k and v pools, `width` floats of each:
+ * `advance` asks for the next cache line of both. The attention below advances it once per
+ * (key, head) it scores or weighs, so the next block's loads spread over this block's work.
+ * On this project's AMD EPYC (2 threads, 64 requests of 89 keys, pools cold), attention
+ * took 0.68-0.75x the time of prefetching each next block in one burst at its start, and
+ * 0.8x at 400 keys. */
+typedef struct { const float *k, *v; int64_t ks, row, end, width, off; } Prefetch;
+
+static inline void advance(Prefetch *p, int lines) {
+    for (int i = 0; i < lines && p->row < p->end; i++) {
+        __builtin_prefetch(p->k + p->row * p->ks + p->off);
+        __builtin_prefetch(p->v + p->row * p->ks + p->off);
+        p->off += 16;
+        if (p->off >= p->width) p->off = 0, p->row++;
+    }
+}
+
 /* Query rows of NH KV heads (G rows each: q + (h * G + g) * D) over the keys of `num_runs`
  * runs of consecutive slots (run i: slots first[i] .. first[i] + count[i] - 1; slot j of
  * head h at k + j * ks + h * hs), by online softmax -> out (NH * G x D), lse (NH * G).
- * The keys are read block by block, every head's rows within a block, so a request's keys
- * (all heads side by side in the pool) stream through once. */
-static inline void prefetch_rows(const float *k, const float *v, int64_t ks, int64_t row,
-                                 int64_t n, int64_t width) {
-    for (int64_t j = row; j < row + n; j++)
-        for (int64_t off = 0; off < width; off += 16)
-            __builtin_prefetch(k + j * ks + off), __builtin_prefetch(v + j * ks + off);
-}
-
+ * Keys and values are read in memory order, block by block: each slot's heads side by side,
+ * every query row of a head scored (or weighted) at once; the next block, or the next run's
+ * or task's first one, is prefetched meanwhile (they lie elsewhere in the pool). */
 static inline __attribute__((always_inline)) void attend(
     const float *q, const float *k, const float *v, int64_t hs, int64_t ks, const int64_t *first,
     const int64_t *count, int64_t num_runs, int NH, const int G, const int C, float scale,
     float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
-    vf acc_all[MAX_ROWS][MAX_CHUNKS];
-    float m[MAX_ROWS], s[MAX_ROWS], p[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
-    for (int r = 0; r < NH * G; r++) {
+    const int R = NH * G;
+    vf qs[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][VW];
+    float m[MAX_ROWS], s[MAX_ROWS], p[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) {
         m[r] = -INFINITY, s[r] = 0.f;
-        for (int c = 0; c < C; c++) acc_all[r][c] = (vf){0};
+        for (int c = 0; c < C; c++)
+            acc[r][c] = (vf){0}, qs[r][c] = loadv(q + (r * C + c) * VW) * scale;
     }
+    const int64_t width = (NH - 1) * hs + C * VW; /* floats of one slot's heads */
     for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
     for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
         int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
-        /* The next block's rows (all NH heads), or the next task's first ones: the hardware
-         * prefetchers stop at every 4 KB page, and a pool row is 768 B of SmolLM2's keys. */
-        int64_t width = (NH - 1) * hs + C * VW;
+        Prefetch pf = {k, v, ks, 0, 0, width, 0};
         if (j0 + BLOCK < end)
-            prefetch_rows(k, v, ks, j0 + BLOCK, end - j0 - BLOCK < BLOCK ? end - j0 - BLOCK : BLOCK,
-                          width);
+            pf.row = j0 + BLOCK, pf.end = end - j0 - BLOCK < BLOCK ? end : j0 + 2 * BLOCK;
         else if (i + 1 < num_runs)
-            prefetch_rows(k, v, ks, first[i + 1], count[i + 1] < BLOCK ? count[i + 1] : BLOCK, width);
+            pf.row = first[i + 1],
+            pf.end = first[i + 1] + (count[i + 1] < BLOCK ? count[i + 1] : BLOCK);
         else if (next_count > 0)
-            prefetch_rows(k, v, ks, next_slot, next_count < BLOCK ? next_count : BLOCK, width);
-        for (int h = 0; h < NH; h++) {
-            const float *kh = k + h * hs + j0 * ks, *vh = v + h * hs + j0 * ks;
-            vf qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < C; c++)
-                    qv[g][c] = loadv(q + ((h * G + g) * C + c) * VW) * scale,
-                    acc[g][c] = acc_all[h * G + g][c];
-            for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
-                int nj = n - j1 < VW ? n - j1 : VW;
-                vf part[MAX_GROUP][VW];
-                for (int j = 0; j < VW; j++) {
-                    const float *kj = kh + (j1 + (j < nj ? j : 0)) * ks;
+            pf.row = next_slot, pf.end = next_slot + (next_count < BLOCK ? next_count : BLOCK);
+        for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
+            int nj = n - j1 < VW ? n - j1 : VW;
+            for (int j = 0; j < VW; j++) {
+                const float *kj = k + (j0 + j1 + (j < nj ? j : 0)) * ks;
+                for (int h = 0; h < NH; h++) {
+                    advance(&pf, 1);
                     vf kv[MAX_CHUNKS];
-                    for (int c = 0; c < C; c++) kv[c] = loadv(kj + c * VW);
+                    for (int c = 0; c < C; c++) kv[c] = loadv(kj + h * hs + c * VW);
                     for (int g = 0; g < G; g++) {
-                        vf a = qv[g][0] * kv[0];
-                        for (int c = 1; c < C; c++) a += qv[g][c] * kv[c];
-                        part[g][j] = a;
+                        const int r = h * G + g;
+                        vf a = qs[r][0] * kv[0];
+                        for (int c = 1; c < C; c++) a += qs[r][c] * kv[c];
+                        part[r][j] = a;
                     }
                 }
-                for (int g = 0; g < G; g++) {
-                    vf r = reduce16(part[g]);
-                    if (cap > 0.f) r = cap * vtanh(r * (1.f / cap)); /* soft-capped (Gemma 2) */
-                    for (int j = nj; j < VW; j++) r[j] = -INFINITY;
-                    storev(&p[g][j1], r);
-                }
             }
-            for (int g = 0; g < G; g++) {
-                int r = h * G + g;
-                vf mv = loadv(p[g]);
-                for (int i = 1; i < nv; i++) mv = vmax(mv, loadv(p[g] + i * VW));
-                float mx = m[r];
-                for (int i = 0; i < VW; i++) mx = mv[i] > mx ? mv[i] : mx;
-                float corr = exp_neg(m[r] - mx);
-                vf sv = {0};
-                for (int i = 0; i < nv; i++) {
-                    vf e = vexp_neg(loadv(p[g] + i * VW) - mx);
-                    storev(p[g] + i * VW, e);
-                    sv += e;
-                }
-                s[r] = s[r] * corr + hsum(sv), m[r] = mx;
-                if (corr != 1.f)
-                    for (int c = 0; c < C; c++) acc[g][c] *= corr;
+            for (int r = 0; r < R; r++) {
+                vf x = reduce16(part[r]);
+                if (cap > 0.f) x = cap * vtanh(x * (1.f / cap)); /* soft-capped (Gemma 2) */
+                for (int j = nj; j < VW; j++) x[j] = -INFINITY;
+                storev(&p[r][j1], x);
             }
-            for (int j = 0; j < n; j++) {
-                const float *vj = vh + j * ks;
+        }
+        for (int r = 0; r < R; r++) {
+            vf mv = loadv(p[r]);
+            for (int b = 1; b < nv; b++) mv = vmax(mv, loadv(p[r] + b * VW));
+            float mx = m[r];
+            for (int l = 0; l < VW; l++) mx = mv[l] > mx ? mv[l] : mx;
+            float corr = exp_neg(m[r] - mx);
+            vf sv = {0};
+            for (int b = 0; b < nv; b++) {
+                vf e = vexp_neg(loadv(p[r] + b * VW) - mx);
+                storev(p[r] + b * VW, e);
+                sv += e;
+            }
+            s[r] = s[r] * corr + hsum(sv), m[r] = mx;
+            if (corr != 1.f)
+                for (int c = 0; c < C; c++) acc[r][c] *= corr;
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + (j0 + j) * ks;
+            for (int h = 0; h < NH; h++) {
+                advance(&pf, 1);
                 vf vv[MAX_CHUNKS];
-                for (int c = 0; c < C; c++) vv[c] = loadv(vj + c * VW);
-                for (int g = 0; g < G; g++)
-                    for (int c = 0; c < C; c++) acc[g][c] += p[g][j] * vv[c];
+                for (int c = 0; c < C; c++) vv[c] = loadv(vj + h * hs + c * VW);
+                for (int g = 0; g < G; g++) {
+                    const int r = h * G + g;
+                    for (int c = 0; c < C; c++) acc[r][c] += p[r][j] * vv[c];
+                }
             }
-            for (int g = 0; g < G; g++)
-                for (int c = 0; c < C; c++) acc_all[h * G + g][c] = acc[g][c];
         }
     }
-    for (int r = 0; r < NH * G; r++) {
+    for (int r = 0; r < R; r++) {
         float inv = s[r] > 0.f ? 1.f / s[r] : 0.f;
-        for (int c = 0; c < C; c++) storev(out + (r * C + c) * VW, acc_all[r][c] * inv);
+        for (int c = 0; c < C; c++) storev(out + (r * C + c) * VW, acc[r][c] * inv);
         lse[r] = s[r] > 0.f ? m[r] + logf(s[r]) : -INFINITY;
     }
 }
