@@ -15,6 +15,8 @@
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(64)));  /* 8 doubles */
 #define VW 16
 #define BLOCK 64   /* keys per online-softmax block: a multiple of VW */
 #define MAX_GROUP 8  /* query heads per KV head */
@@ -274,15 +276,20 @@ void rf_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *hr = residual ? hidden_out + r * dim : NULL, *orow = out + r * dim;
-        double sq[VW] = {0}; /* the squares summed in double, lane by lane */
+        vd sq[2] = {{0}, {0}}; /* the squares summed in double, lane by lane */
         int64_t i = 0;
         for (; i + VW <= dim; i += VW) {
             vf h = loadv(xr + i);
             if (hr) h += loadv(residual + r * r_stride + i), storev(hr + i, h);
-            for (int l = 0; l < VW; l++) sq[l] += (double)h[l] * h[l];
+            for (int half = 0; half < 2; half++) {
+                vf8 part;
+                memcpy(&part, (const float *)&h + half * 8, sizeof part);
+                vd d = __builtin_convertvector(part, vd);
+                sq[half] += d * d; /* exact products: an FMA here rounds as the add alone */
+            }
         }
         double total = 0.0;
-        for (int l = 0; l < VW; l++) total += sq[l];
+        for (int l = 0; l < VW; l++) total += sq[l / 8][l % 8];
         for (; i < dim; i++) {
             float h = xr[i] + (hr ? residual[r * r_stride + i] : 0.f);
             if (hr) hr[i] = h;
@@ -319,11 +326,19 @@ void rf_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t 
 
 /* Rotary embedding of T rows of `heads` heads (x: rows x_stride floats apart, heads D apart)
  * into out (T, heads, D) contiguous: the first `rotary` dims of each head rotate by
- * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied. */
-void rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
-             int64_t heads, int64_t D, int64_t rotary, float *out, int threads) {
-    int64_t half = rotary / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768)
+ * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
+ * With k_pool (not NULL), row t's last kv_heads heads of out (its keys, rotated) and its
+ * values (v: rows v_stride floats apart, kv_heads * D floats) are also stored at slot
+ * slots[t] of k_pool and v_pool (num_slots rows each), as rf_store_kv does: one pass where
+ * rope and the store were two calls. Returns the number of rows whose slot was out of range
+ * (those are not stored). */
+int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
+                int64_t heads, int64_t D, int64_t rotary, float *out, float *k_pool,
+                float *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
+                const float *v, int64_t v_stride, int threads) {
+    int64_t half = rotary / 2, bad = 0, width = kv_heads * D;
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
+    reduction(+ : bad)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + t * rotary, *s = sin + t * rotary;
         for (int64_t h = 0; h < heads; h++) {
@@ -335,7 +350,13 @@ void rf_rope(const float *x, int64_t x_stride, const float *cos, const float *si
             }
             for (int64_t i = rotary; i < D; i++) oh[i] = xh[i];
         }
+        if (!k_pool) continue;
+        int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) { bad++; continue; }
+        memcpy(k_pool + slot * width, out + ((t + 1) * heads - kv_heads) * D, width * sizeof(float));
+        memcpy(v_pool + slot * width, v + t * v_stride, width * sizeof(float));
     }
+    return bad;
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into

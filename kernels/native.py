@@ -45,7 +45,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     ),
     "rf_rms_norm": (None, [_P, _I, _P, _I, _P, _F, _I, _I, _P, _P, _C]),
     "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
-    "rf_rope": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _C]),
+    "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]),
     "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I]),
     "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
 }
@@ -203,21 +203,60 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """`layers.rope_qk`: x (T, heads, D) (rows any stride, heads contiguous) rotated by cos
-    and sin (T, 1, R) -> (T, heads, D) contiguous; None where not taken."""
+    and sin (T, 1, R) -> (T, heads, D) contiguous; None where not taken. With `store` =
+    (k_pool, v_pool, slots, v), the rotated keys (the last Hkv heads of each row, Hkv the
+    pools' heads) and v (T, Hkv, D) are also written at `slots` of the pools, as `store_kv`
+    does, in the same pass; None (nothing stored) where that is not taken. Raises IndexError
+    for a slot outside the pool."""
     lib = library()
     t, heads, d = x.shape
     if lib is None or not _fits(x, cos, sin) or x.stride()[1:] != (d, 1):
         return None
+    k_pool = v_pool = slots = v = None
+    if store is not None:
+        k_pool, v_pool, slots, v = store
+        if not _store_fits(k_pool, v_pool, slots, v) or k_pool.shape[1] > heads:
+            return None
     rotary = cos.shape[-1]
     cos, sin = cos.reshape(t, rotary).contiguous(), sin.reshape(t, rotary).contiguous()
     out = torch.empty((t, heads, d))
-    lib.rf_rope(
+    bad = lib.rf_rope(
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d, rotary,
-        out.data_ptr(), torch.get_num_threads(),
+        out.data_ptr(),
+        *((None, None, 0, None, 0, None, 0) if store is None else (
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+            k_pool.shape[1], v.data_ptr(), v.stride(0),
+        )),
+        torch.get_num_threads(),
     )  # fmt: skip
+    if bad:
+        raise IndexError(f"{bad} of {t} slots outside the pool of {k_pool.shape[0]}")
     return out
+
+
+def _store_fits(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether the native store takes these: fp32 contiguous pools (num_slots, Hkv, D) of one
+    shape, int64 contiguous slots, one per row of v (rows any stride, heads contiguous)."""
+    return (
+        _fits(k_pool, v_pool, v)
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and k_pool.shape == v_pool.shape
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and len(slots) == v.shape[0]
+        and v.shape[1:] == k_pool.shape[1:]
+        and v.stride()[1:] == (v.shape[2], 1)
+    )
 
 
 def store_kv(
@@ -232,16 +271,10 @@ def store_kv(
     lib = library()
     if (
         lib is None
-        or not _fits(k_pool, v_pool, k, v)
-        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
-        or k_pool.shape != v_pool.shape
-        or slots.dtype != torch.int64
-        or not slots.is_contiguous()
+        or not _store_fits(k_pool, v_pool, slots, v)
         or k.shape != v.shape
-        or len(slots) != k.shape[0]
-        or k.shape[1:] != k_pool.shape[1:]
+        or not _fits(k)
         or k.stride()[1:] != (k.shape[2], 1)
-        or v.stride()[1:] != (v.shape[2], 1)
     ):
         return False
     width = k_pool.shape[1] * k_pool.shape[2]

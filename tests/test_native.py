@@ -167,6 +167,31 @@ def test_native_store_kv_matches_reference() -> None:
 
 
 @needs_lib
+@pytest.mark.parametrize("rows", [7, 200])  # one thread, and rows split between threads
+def test_native_rope_with_store_matches_rope_then_store(rows: int) -> None:
+    """The layer's fused call: q and k rotated as `rope_qk` does, and the rotated keys and v
+    stored at the slots as `reference.store_kv` does; an out-of-range slot raises, and pools
+    the store does not take (not fp32) leave the call to the separate ops (None)."""
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn((rows, 9 * 16), generator=gen)  # 3 q heads, 3 k heads, 3 v heads of 16
+    qk, v = qkv[:, : 6 * 16].view(rows, 6, 16), qkv[:, 6 * 16 :].view(rows, 3, 16)
+    cos, sin = rope_tables(16, 1.0, torch.randint(0, 4000, (rows,), generator=gen), qk.dtype)
+    pools = [torch.zeros((rows + 40, 3, 16)) for _ in range(4)]
+    slots = torch.randperm(rows + 40, generator=gen)[:rows]
+    fused = native.rope(qk, cos, sin, store=(pools[0], pools[1], slots, v))
+    want = rope_qk(qk, cos, sin)
+    reference.store_kv(pools[2], pools[3], slots, want[:, 3:], v)
+    assert torch.equal(fused, want)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    with pytest.raises(IndexError):
+        native.rope(
+            qk[:2], cos[:2], sin[:2], store=(pools[0], pools[1], torch.tensor([3, -1]), v[:2])
+        )
+    half = [p.half() for p in pools[:2]]
+    assert native.rope(qk, cos, sin, store=(half[0], half[1], slots, v)) is None
+
+
+@needs_lib
 def test_engine_greedy_output_same_with_and_without_native(engine, monkeypatch) -> None:
     """SmolLM2 through the public API: 6 prompts decoded together, greedy, with the native
     kernels and with the torch path, give the same tokens."""

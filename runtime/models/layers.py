@@ -258,7 +258,8 @@ def rope_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     qkv output. Each half is written straight into the result (x1·cos - x2·sin, then
     x2·cos + x1·sin), with no concatenated rotate-half copy: 2.2x faster than two calls at
     64 decode rows (SmolLM2 shapes, 1 thread). Assumes cos/sin repeat their two halves, as
-    `Rope` builds them. One native pass where the kernels are built (kernels/native.py)."""
+    `Rope` builds them. One native pass where the kernels are built (kernels/native.py);
+    `DecoderLayer._attention` calls that pass with the KV store folded in first."""
     fused = native.rope(qk, cos, sin)
     if fused is not None:
         return fused
@@ -340,7 +341,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """-> (T, q_size). Stores this step's K/V, then attends through the shared ops."""
         c, num_tokens = self.config, x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv, stored = self.qkv_proj(x), None
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -359,9 +360,13 @@ class DecoderLayer(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         else:  # q and k are adjacent in the fused output: one rotation pass over both
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, c.head_dim)
-            qk = rope_qk(qk, *rope)
+            # the native pass also stores the rotated keys and v in the pools (store_kv's
+            # semantics on every backend), one call and one pass over k fewer per layer
+            stored = native.rope(qk, *rope, store=(k_cache, v_cache, batch.out_slots, v))
+            qk = rope_qk(qk, *rope) if stored is None else stored
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # (T, H, D), (T, Hkv, D)
-        ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
+        if stored is None:
+            ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
         scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         # Only switched-on features are passed, so plain Llama calls the ops exactly as before.
         extra: dict[str, Any] = {}
