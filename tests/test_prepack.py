@@ -102,3 +102,15 @@ def test_loaded_model_is_packed_and_equal_to_unpacked(checkpoints, family: str, 
         ways = {m.packed.way for m in packed.modules() if type(m) is prepack.PackedLinear}
         assert ways == {way} and packed.head_pack.way == way
     torch.testing.assert_close(ragged_logits(packed), ragged_logits(plain), rtol=1e-5, atol=1e-5)
+
+
+def test_choose_leaves_torch_global_generator_alone(monkeypatch) -> None:
+    """The load-time timing draws its inputs from its own generator: loading a model must not
+    move the sequence a caller seeded."""
+    monkeypatch.setattr(prepack, "_CHOICES", {})
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    way, min_rows = prepack.choose([torch.ones(16, 8)], WAYS)
+    assert way in ("linear", *WAYS) and min_rows in (1, prepack.PACKED_MIN_ROWS)
+    assert torch.equal(torch.rand(3), want)

@@ -66,7 +66,10 @@ def available_ways(device: torch.device, dtype: torch.dtype) -> list[str]:
     ways = []
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         ways.append("mkl")
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    onednn_ops = ("_reorder_linear_weight", "_linear_pointwise")
+    if torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, op) for op in onednn_ops
+    ):
         ways.append("onednn")
     return ways
 
@@ -134,7 +137,8 @@ def _median_times(calls: dict[str, list], rows: int, rounds: int = 5) -> dict[st
     """Median seconds of one pass of each way's calls over `rows` rows, ways interleaved.
     `calls[way]` holds (weight, Packed | None) pairs."""
     widths = {w.shape[1] for pairs in calls.values() for w, _ in pairs}
-    inputs = {width: torch.randn(rows, width) for width in widths}
+    generator = torch.Generator().manual_seed(0)  # torch's global generator is left alone
+    inputs = {width: torch.randn(rows, width, generator=generator) for width in widths}
     times: dict[str, list[float]] = {way: [] for way in calls}
     for round_ in range(rounds + 1):
         for way, pairs in calls.items():
