@@ -81,14 +81,13 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack(weight: torch.Tensor, way: str = "mkl", min_rows: int = PACKED_MIN_ROWS) -> Packed:
     """The packed copy of an (out, in) fp32 weight in `way`'s layout."""
-    weight = weight.detach()
-    if way == "onednn":
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS)
-        return Packed(packed, way, min_rows)
-    if way == "mkl":
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, DECODE_ROWS)
-        return Packed(packed, way, min_rows)
-    raise ValueError(f"unknown packed layout {way!r}; known: mkl, onednn")
+    reorders = {
+        "onednn": torch.ops.mkldnn._reorder_linear_weight,
+        "mkl": torch.ops.mkl._mkl_reorder_linear_weight,
+    }
+    if way not in reorders:
+        raise ValueError(f"unknown packed layout {way!r}; known: {', '.join(reorders)}")
+    return Packed(reorders[way](weight.detach(), DECODE_ROWS), way, min_rows)
 
 
 def linear(
@@ -213,7 +212,6 @@ def prepack(model: nn.Module, way: str = "auto") -> str:
         for i, (parent, name, child) in enumerate(found):
             packed = first if i == 0 else pack(child.weight, way, min_rows)
             setattr(parent, name, PackedLinear(child, packed))
-        model.head_pack = pack(head_weight, way, min_rows) if head is None else None
-        if isinstance(getattr(model, "lm_head", None), PackedLinear):
-            model.head_pack = model.lm_head.packed
+        # an untied head was among `found`, and is now a PackedLinear
+        model.head_pack = pack(head_weight, way, min_rows) if head is None else model.lm_head.packed
     return way
