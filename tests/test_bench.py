@@ -238,3 +238,35 @@ def test_roofline_is_measured_on_the_models_shapes_and_stated_as_a_share() -> No
     assert f"{share:.0%} of the first definition's" in note
     assert roofline_note(rows, {}) is None
     assert roofline_note([{**rows[0], "system": "vllm"}], machine) is None
+
+
+def test_rss_sampler_counts_a_child_and_lists_the_tree_about_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peak includes a child started inside the block (300 MB held for 1.5 s), and the
+    process table is scanned about once a second, not on every 50 ms sample."""
+    import os
+    import time
+
+    import psutil
+
+    from radixflow.bench.harness import RssSampler
+
+    listings = []
+    children = psutil.Process.children
+
+    def counted(self: psutil.Process, *args: Any, **kwargs: Any) -> list[psutil.Process]:
+        listings.append(time.monotonic())
+        return children(self, *args, **kwargs)
+
+    monkeypatch.setattr(psutil.Process, "children", counted)
+    own_mb = psutil.Process().memory_info().rss / 2**20
+    hold = "x = bytearray(300 << 20); import time; time.sleep(1.5)"
+    with RssSampler(os.getpid()) as rss:
+        start = time.monotonic()
+        time.sleep(0.3)  # the first listing comes before the child
+        subprocess.run([sys.executable, "-c", hold], check=True)
+        time.sleep(0.2)
+    elapsed = time.monotonic() - start
+    assert rss.peak_mb > own_mb + 250
+    assert 1 <= len(listings) <= elapsed / RssSampler.LIST_EVERY_S + 2
