@@ -24,7 +24,9 @@ from radixflow.kernels import cpu_attention, reference
 class AttentionOps:
     """One backend's ops. `prepare_extend(qo_indptr, kv_indptr, kv_indices)` and
     `prepare_decode(kv_indptr, kv_indices)`, when set, derive per-forward index layouts once;
-    the result is passed to every layer's call as `layout=`."""
+    the result is passed to every layer's call as `layout=`. `rope_decode_attention`, when
+    set, does a decode-only step's rope, KV store and attention in one call (or returns None,
+    having touched nothing, and the layer does them one by one)."""
 
     name: str
     extend_attention: Callable[..., torch.Tensor]
@@ -32,6 +34,7 @@ class AttentionOps:
     store_kv: Callable[..., None]
     prepare_extend: Callable[..., Any] | None = None
     prepare_decode: Callable[..., Any] | None = None
+    rope_decode_attention: Callable[..., torch.Tensor | None] | None = None
 
 
 REFERENCE_OPS = AttentionOps(
@@ -45,6 +48,7 @@ CPU_OPS = AttentionOps(
     cpu_attention.store_kv,
     cpu_attention.make_layout,
     cpu_attention.decode_layout,
+    cpu_attention.rope_decode_attention,
 )
 
 

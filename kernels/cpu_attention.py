@@ -196,6 +196,41 @@ def decode_attention(
     return out.to(q.dtype)
 
 
+def rope_decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_slots: torch.Tensor,
+    sm_scale: float,
+    layout: DecodeLayout | None,
+    logit_cap: float = 0.0,
+) -> torch.Tensor | None:
+    """A decode-only step's rope, KV store and attention from the fused projection qkv
+    (B, (H + 2 Hkv) * D), in one native call (`native.rope_decode_attention`; qkv's query and
+    key heads are rotated in place), then the shared prefixes merged as `decode_attention`
+    does -> (B, H, D). None, with nothing touched, where the native kernels do not take it
+    (no native runs in `layout`, other dtypes): the caller then rotates, stores and calls
+    `decode_attention` itself."""
+    if layout is None or layout.runs is None:
+        return None
+    fast = native.rope_decode_attention(
+        qkv, num_heads, cos, sin, k_buffer, v_buffer, out_slots, layout.runs, sm_scale, logit_cap
+    )
+    if fast is None:
+        return None
+    out, lse = fast
+    if layout.shared:
+        q = qkv[:, : num_heads * k_buffer.shape[2]].view(len(qkv), num_heads, -1)
+        _merge_shared(
+            out, lse, q, k_buffer, v_buffer, layout.shared, sm_scale, logit_cap,
+            layout.shared_starts,
+        )  # fmt: skip
+    return out
+
+
 def _own_keys(
     q: torch.Tensor,
     k_buffer: torch.Tensor,

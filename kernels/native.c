@@ -209,6 +209,11 @@ static int costlier_first(const void *x, const void *y) {
     return a < b ? 1 : a > b ? -1 : 0;
 }
 
+static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
+                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                           float *lse, int threads);
+
 /* Decode attention of B requests, one query token each, over keys read where they lie in
  * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
  * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
@@ -221,6 +226,14 @@ int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const 
                         int B, int Hkv, int G, int D, float scale, float cap, float *out,
                         float *lse, int threads) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    return attention_tasks(q, q_stride, k, v, run_indptr, first, count, B, Hkv, G, D, scale, cap,
+                           out, lse, threads);
+}
+
+static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
+                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                           float *lse, int threads) {
     const int C = D / VW;
     int64_t total = 0;
     for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
@@ -324,6 +337,34 @@ void rf_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t 
     }
 }
 
+/* One row's `heads` heads of D floats (x, out: heads D apart; out may be x): the first
+ * `rotary` dims rotate by c/s (rotary floats whose halves repeat), the rest are copied. */
+static inline void rope_row(const float *x, float *out, const float *c, const float *s,
+                            int64_t heads, int64_t D, int64_t rotary) {
+    const int64_t half = rotary / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const float *xh = x + h * D;
+        float *oh = out + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xh[i], b = xh[half + i];
+            oh[i] = a * c[i] - b * s[i];
+            oh[half + i] = b * c[i] + a * s[i];
+        }
+        if (oh != xh)
+            for (int64_t i = rotary; i < D; i++) oh[i] = xh[i];
+    }
+}
+
+/* One row's keys and values (`width` floats each) into slot `slot` of the pools; returns 1
+ * (nothing stored) when the slot is outside [0, num_slots). */
+static inline int64_t store_row(float *k_pool, float *v_pool, int64_t num_slots, int64_t slot,
+                                const float *k, const float *v, int64_t width) {
+    if (slot < 0 || slot >= num_slots) return 1;
+    memcpy(k_pool + slot * width, k, width * sizeof(float));
+    memcpy(v_pool + slot * width, v, width * sizeof(float));
+    return 0;
+}
+
 /* Rotary embedding of T rows of `heads` heads (x: rows x_stride floats apart, heads D apart)
  * into out (T, heads, D) contiguous: the first `rotary` dims of each head rotate by
  * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
@@ -336,27 +377,47 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
                 int64_t heads, int64_t D, int64_t rotary, float *out, float *k_pool,
                 float *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
                 const float *v, int64_t v_stride, int threads) {
-    int64_t half = rotary / 2, bad = 0, width = kv_heads * D;
+    int64_t bad = 0, width = kv_heads * D;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
     reduction(+ : bad)
     for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * rotary, *s = sin + t * rotary;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + t * x_stride + h * D;
-            float *oh = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; i++) {
-                oh[i] = xh[i] * c[i] - xh[half + i] * s[i];
-                oh[half + i] = xh[half + i] * c[i] + xh[i] * s[i];
-            }
-            for (int64_t i = rotary; i < D; i++) oh[i] = xh[i];
-        }
-        if (!k_pool) continue;
-        int64_t slot = slots[t];
-        if (slot < 0 || slot >= num_slots) { bad++; continue; }
-        memcpy(k_pool + slot * width, out + ((t + 1) * heads - kv_heads) * D, width * sizeof(float));
-        memcpy(v_pool + slot * width, v + t * v_stride, width * sizeof(float));
+        float *row = out + t * heads * D;
+        rope_row(x + t * x_stride, row, cos + t * rotary, sin + t * rotary, heads, D, rotary);
+        if (k_pool)
+            bad += store_row(k_pool, v_pool, num_slots, slots[t], row + (heads - kv_heads) * D,
+                             v + t * v_stride, width);
     }
     return bad;
+}
+
+/* One decode step's attention of a layer from its fused qkv projection, in one call: qkv
+ * (B rows qkv_stride floats apart: Hkv * G query heads, Hkv key heads, Hkv value heads of D
+ * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
+ * does; each row's keys and values are stored at slots[b] of the pools (num_slots, Hkv, D),
+ * as rf_store_kv does; then the rotated queries attend as rf_decode_attention does (runs,
+ * scale, cap, out, lse the same). Returns 0; -1 for shapes the attention does not take
+ * (nothing is touched then); -2 out of memory; else the number of rows whose slot was out of
+ * range (nothing is attended then). */
+int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *cos,
+                                 const float *sin, int64_t rotary, float *k_pool, float *v_pool,
+                                 int64_t num_slots, const int64_t *slots,
+                                 const int64_t *run_indptr, const int64_t *first,
+                                 const int64_t *count, int B, int Hkv, int G, int D, float scale,
+                                 float cap, float *out, float *lse, int threads) {
+    if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (B * heads * D >= 32768) \
+    reduction(+ : bad)
+    for (int64_t b = 0; b < B; b++) {
+        float *row = qkv + b * qkv_stride;
+        rope_row(row, row, cos + b * rotary, sin + b * rotary, heads, D, rotary);
+        bad += store_row(k_pool, v_pool, num_slots, slots[b], row + (heads - Hkv) * D,
+                         row + heads * D, width);
+    }
+    if (bad) return bad;
+    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, run_indptr, first, count, B, Hkv, G,
+                           D, scale, cap, out, lse, threads);
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
@@ -365,12 +426,9 @@ int64_t rf_store_kv(float *k_pool, float *v_pool, int64_t num_slots, const int64
                     const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
                     int64_t width) {
     int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t slot = slots[i];
-        if (slot < 0 || slot >= num_slots) { bad++; continue; }
-        memcpy(k_pool + slot * width, k + i * k_stride, width * sizeof(float));
-        memcpy(v_pool + slot * width, v + i * v_stride, width * sizeof(float));
-    }
+    for (int64_t i = 0; i < n; i++)
+        bad += store_row(k_pool, v_pool, num_slots, slots[i], k + i * k_stride, v + i * v_stride,
+                         width);
     return bad;
 }
 

@@ -18,6 +18,9 @@ ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
   libgomp gets a single-threaded build.
 - Every wrapper takes fp32 CPU tensors whose innermost dims are contiguous, and returns
   None (the caller's cue to use torch) for anything else.
+- A decode-only step's rope, KV store and attention are one call
+  (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
+  Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ SIGNATURES = {  # name: (restype, argtypes)
     "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
     "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]),
     "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I]),
+    "rf_rope_decode_attention": (
+        _I,
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C],
+    ),
     "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
 }
 _state: dict[str, ctypes.CDLL | None] = {}
@@ -160,6 +167,60 @@ def decode_attention(
         first.data_ptr(), count.data_ptr(), b, hkv, h // hkv, d, scale, logit_cap, out.data_ptr(),
         lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    return (out, lse) if status == 0 else None
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    logit_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's attention from its fused projection, in one call: `rope` with its
+    store, then `decode_attention`, on qkv (B, (H + 2 Hkv) * D) (rows any stride) whose query
+    and key heads are rotated in place (the caller's q is then qkv's first H heads). cos/sin
+    (B, 1, R) contiguous; k_pool, v_pool, slots, runs, scale, logit_cap as in those two.
+    -> (out (B, H, D), lse (B, H)); None (nothing touched) where not taken. Raises IndexError
+    for a slot outside the pool (keys then partly stored, nothing attended), MemoryError
+    when the kernel cannot allocate."""
+    lib = library()
+    b, hkv, d = qkv.shape[0], k_pool.shape[1], k_pool.shape[2]
+    if (
+        lib is None
+        or qkv.dim() != 2
+        or qkv.shape[1] != (num_heads + 2 * hkv) * d
+        or qkv.stride(1) != 1
+        or num_heads % hkv
+        or not _fits(qkv, cos, sin)
+        or not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel())
+        or cos.numel() != b * cos.shape[-1]
+        or not _fits(k_pool, v_pool)
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or k_pool.shape != v_pool.shape
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+        or len(slots) != b
+    ):
+        return None
+    out = torch.empty((b, num_heads, d))
+    lse = torch.empty((b, num_heads))
+    run_indptr, first, count = runs
+    status = lib.rf_rope_decode_attention(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+        run_indptr.data_ptr(), first.data_ptr(), count.data_ptr(), b, hkv, num_heads // hkv, d,
+        scale, logit_cap, out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status > 0:
+        raise IndexError(f"{status} of {b} slots outside the pool of {k_pool.shape[0]}")
+    if status == -2:  # qkv is rotated and the keys stored by now: no torch path can follow
+        raise MemoryError("native decode attention could not allocate its task list")
     return (out, lse) if status == 0 else None
 
 

@@ -192,6 +192,65 @@ def test_native_rope_with_store_matches_rope_then_store(rows: int) -> None:
 
 
 @needs_lib
+@pytest.mark.parametrize("layout", ["runs", "scattered", "shared"])
+@pytest.mark.parametrize("shape", [(2, 3, 64, 64), (1, 7, 128, 64), (3, 1, 32, 16)])
+@pytest.mark.parametrize("logit_cap", [0.0, 5.0])
+def test_rope_decode_attention_in_one_call_equals_the_separate_calls(
+    layout: str, shape: tuple, logit_cap: float
+) -> None:
+    """A decode step's rope, KV store and attention in one native call give the same bits
+    as `rope_qk`, `reference.store_kv` and `decode_attention` one after another: the same
+    output, the same pools, and qkv's query heads left rotated in place (shared prefixes
+    merged after, partial rotary, GQA groups 1-7)."""
+    hkv, group, dim, rotary = shape
+    _, k, v, kv_indptr, kv_indices = pooled_batch(layout, hkv, group, dim)
+    b, heads = len(kv_indptr) - 1, hkv * group
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn((b, (heads + 2 * hkv) * dim + 5), generator=gen)[:, :-5]  # rows strided
+    slots = kv_indices[kv_indptr[1:] - 1].clone()  # each request's last key is this step's
+    positions = torch.randint(0, 4000, (b,), generator=gen)
+    cos, sin = rope_tables(dim, rotary / dim, positions, qkv.dtype)
+    decode_layout = cpu_attention.decode_layout(kv_indptr, kv_indices)
+    k_want, v_want = k.clone(), v.clone()
+    qk = rope_qk(qkv[:, : (heads + hkv) * dim].view(b, heads + hkv, dim), cos, sin)
+    new_v = qkv[:, (heads + hkv) * dim :].view(b, hkv, dim)
+    reference.store_kv(k_want, v_want, slots, qk[:, heads:], new_v)
+    want = cpu_attention.decode_attention(
+        qk[:, :heads], k_want, v_want, kv_indptr, kv_indices, dim**-0.5,
+        layout=decode_layout, logit_cap=logit_cap,
+    )  # fmt: skip
+    got = cpu_attention.rope_decode_attention(
+        qkv, heads, cos, sin, k, v, slots, dim**-0.5, decode_layout, logit_cap
+    )
+    assert torch.equal(got, want)
+    for pool, expected in ((k, k_want), (v, v_want)):  # slots nobody wrote hold NaN
+        torch.testing.assert_close(pool, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(qkv[:, : heads * dim].view(b, heads, dim), qk[:, :heads])
+
+
+@needs_lib
+def test_rope_decode_attention_refuses_untouched_or_raises() -> None:
+    """Pools the kernel does not take (fp16) and a layout without native runs return None
+    with qkv and the pools untouched; a slot outside the pool raises IndexError."""
+    _, k, v, kv_indptr, kv_indices = pooled_batch("runs", 2, 3, 64, fill=0.0)
+    b = len(kv_indptr) - 1
+    qkv = torch.randn((b, 10 * 64))
+    cos, sin = rope_tables(64, 1.0, torch.arange(b), qkv.dtype)
+    slots = kv_indices[kv_indptr[1:] - 1].clone()
+    runs = cpu_attention.decode_layout(kv_indptr, kv_indices)
+    torch_layout = cpu_attention.decode_layout(kv_indptr, kv_indices, native_runs=False)
+    before = qkv.clone()
+    for pools, layout in (((k.half(), v.half()), runs), ((k, v), torch_layout)):
+        kept = [p.clone() for p in pools]
+        got = cpu_attention.rope_decode_attention(qkv, 6, cos, sin, *pools, slots, 0.125, layout)
+        assert got is None
+        assert torch.equal(qkv, before) and all(map(torch.equal, pools, kept))
+    slots[3] = len(k)
+    with pytest.raises(IndexError):
+        cpu_attention.rope_decode_attention(qkv, 6, cos, sin, k, v, slots, 0.125, runs)
+
+
+@needs_lib
 def test_engine_greedy_output_same_with_and_without_native(engine, monkeypatch) -> None:
     """SmolLM2 through the public API: 6 prompts decoded together, greedy, with the native
     kernels and with the torch path, give the same tokens."""

@@ -342,6 +342,14 @@ class DecoderLayer(nn.Module):
         """-> (T, q_size). Stores this step's K/V, then attends through the shared ops."""
         c, num_tokens = self.config, x.shape[0]
         qkv, stored = self.qkv_proj(x), None
+        scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
+        if not (batch.num_extend_tokens or c.qk_norm) and ops.rope_decode_attention is not None:
+            fused = ops.rope_decode_attention(
+                qkv, c.num_heads, *rope, k_cache, v_cache, batch.out_slots, scale,
+                batch.layouts.get(("decode", self.window)), c.attn_logit_cap,
+            )  # fmt: skip
+            if fused is not None:  # decode only: one call, no intermediate tensors
+                return fused.view(num_tokens, self.q_size)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -367,7 +375,6 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]  # (T, H, D), (T, Hkv, D)
         if stored is None:
             ops.store_kv(k_cache, v_cache, batch.out_slots, k, v)
-        scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         # Only switched-on features are passed, so plain Llama calls the ops exactly as before.
         extra: dict[str, Any] = {}
         if self.window:
