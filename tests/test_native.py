@@ -265,6 +265,29 @@ def test_engine_greedy_output_same_with_and_without_native(engine, monkeypatch) 
 
 
 @needs_lib
+def test_engine_decodes_through_the_one_call_with_the_same_tokens(engine, monkeypatch) -> None:
+    """SmolLM2's decode steps take the one-call rope + store + attention in every layer, and
+    give the same tokens as the layer's separate calls (the one call refused)."""
+    prompts = [f"List {i} colours:" for i in range(4)]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    real, calls = native.rope_decode_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "rope_decode_attention", counted)
+    engine.flush_cache()
+    fused = [r["output_ids"] for r in engine.generate(prompts, params)]
+    # 11 decode steps of 4 rows (the first token comes from the prefill), SmolLM2's 30 layers
+    assert len(calls) >= 11 * 30 and max(calls) == len(prompts)
+    monkeypatch.setattr(native, "rope_decode_attention", lambda *args, **kwargs: None)
+    engine.flush_cache()
+    separate = [r["output_ids"] for r in engine.generate(prompts, params)]
+    assert fused == separate
+
+
+@needs_lib
 @pytest.mark.parametrize("shape", [(64, 49152), (1, 49152), (3, 17), (5, 40)])
 def test_native_argmax_matches_torch_max(shape: tuple) -> None:
     """The first index of each row's maximum, as torch's max(dim=-1) returns it: a tie

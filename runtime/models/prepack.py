@@ -97,15 +97,20 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, from `packed` when there is one and the rows are many."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.dim() == 2:  # the model's case: no reshapes (each is a dispatched op per call)
+        rows, flat = x.shape[0], x
+    else:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        flat = x.reshape(rows, x.shape[-1])  # (rows, in)
     if packed is None or rows < packed.min_rows:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])  # (rows, in)
     if packed.way == "onednn":
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed.tensor, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise.default(
+            flat, packed.tensor, bias, "none", [], ""
+        )
     else:
-        out = torch.ops.mkl._mkl_linear(flat, packed.tensor, weight, bias, rows)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+        out = torch.ops.mkl._mkl_linear.default(flat, packed.tensor, weight, bias, rows)
+    return out if flat is x else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class PackedLinear(nn.Module):
