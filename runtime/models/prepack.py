@@ -105,9 +105,7 @@ def linear(
     if packed is None or rows < packed.min_rows:
         return F.linear(x, weight, bias)
     if packed.way == "onednn":
-        out = torch.ops.mkldnn._linear_pointwise.default(
-            flat, packed.tensor, bias, "none", [], ""
-        )
+        out = torch.ops.mkldnn._linear_pointwise.default(flat, packed.tensor, bias, "none", [], "")
     else:
         out = torch.ops.mkl._mkl_linear.default(flat, packed.tensor, weight, bias, rows)
     return out if flat is x else out.reshape(*x.shape[:-1], weight.shape[0])
