@@ -14,7 +14,7 @@ scaled embeddings, sandwich norms, GELU, query pre-attention scaling and logit s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,11 +426,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, k_caches: torch.Tensor, v_caches: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        k_caches: torch.Tensor | Sequence[torch.Tensor],
+        v_caches: torch.Tensor | Sequence[torch.Tensor],
     ) -> torch.Tensor:
         """Run the batch, store its K/V, return fp32 logits (R, vocab) of `batch.logit_rows`.
 
-        k_caches/v_caches: (num_layers, num_slots, num_kv_heads, head_dim).
+        k_caches/v_caches: (num_layers, num_slots, num_kv_heads, head_dim), or the layers'
+        pools (num_slots, num_kv_heads, head_dim) in a sequence (views of one, made once).
         """
         self._prepare_layouts(batch)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
