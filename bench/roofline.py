@@ -82,6 +82,35 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, Any]:
     }
 
 
+def best_of(first: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
+    """One run's roofline from several `compute_roofline` measurements (the bench takes one
+    at its start and one at its end): each way's best rate, and the fastest way's as the
+    roofline, with every measurement's figure kept in `roofline_measurements_tokens_per_s`.
+
+    Each measurement is the best of five passes within a few seconds, so a slow phase of a
+    shared machine that covers all five sets it low: one start measurement here ran at 96
+    GFLOP/s against 164-188 in the runs around it, and put radixflow at 106% of it. Taking
+    the best of two, minutes apart, only raises the roofline: no share grows by it."""
+    runs = (first, *later)
+    ways = {
+        name: max(m["roofline_ways_tokens_per_s"][name] for m in runs)
+        for name in first["roofline_ways_tokens_per_s"]
+    }
+    fastest = max(ways, key=ways.__getitem__)
+    rate = ways[fastest]
+    gflops = first["fp32_matmul_gflops"] * rate / first["roofline_tokens_per_s"]
+    return {
+        **first,
+        "fp32_matmul_gflops": float(f"{gflops:.3g}"),
+        "roofline_tokens_per_s": rate,
+        "roofline_way": fastest,
+        "roofline_ways_tokens_per_s": ways,
+        "roofline_linear_tokens_per_s": ways["F.linear"],
+        "roofline_reused_tokens_per_s": max(m["roofline_reused_tokens_per_s"] for m in runs),
+        "roofline_measurements_tokens_per_s": [m["roofline_tokens_per_s"] for m in runs],
+    }
+
+
 def roofline_note(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str | None:
     """radixflow's throughput on `independent` (64 streams) as a share of the roofline."""
     row = next(
@@ -99,7 +128,12 @@ def roofline_note(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str | 
     if "roofline_way" not in machine:
         return note + ")"
     reused = machine["roofline_reused_tokens_per_s"]
+    measured = machine.get("roofline_measurements_tokens_per_s", [])
+    when = ""
+    if len(measured) > 1:
+        figures = ", ".join(f"{m:.0f}" for m in measured)
+        when = f", the best of its measurements at the run's start and end ({figures} tok/s)"
     return note + (
-        f", {machine['roofline_way']}, each layer its own weights; {rate / reused:.0%} of the "
-        f"first definition's {reused:.0f} tok/s, F.linear over one layer's weights reused)"
+        f", {machine['roofline_way']}, each layer its own weights{when}; {rate / reused:.0%} of "
+        f"the first definition's {reused:.0f} tok/s, F.linear over one layer's weights reused)"
     )

@@ -17,7 +17,7 @@ import pytest
 
 from radixflow.bench import dsl, workloads
 from radixflow.bench.baselines import WORKER_STUB, plan_batches
-from radixflow.bench.roofline import compute_roofline, roofline_note
+from radixflow.bench.roofline import best_of, compute_roofline, roofline_note
 from radixflow.bench.rounds import Arrivals, percentile
 
 BENCH = Path(workloads.__file__).resolve().parent
@@ -238,6 +238,38 @@ def test_roofline_is_measured_on_the_models_shapes_and_stated_as_a_share() -> No
     assert f"{share:.0%} of the first definition's" in note
     assert roofline_note(rows, {}) is None
     assert roofline_note([{**rows[0], "system": "vllm"}], machine) is None
+
+
+def test_the_roofline_is_the_best_of_the_runs_measurements() -> None:
+    """A start measurement caught in a slow phase does not set the roofline: each way takes
+    its best rate over the start and end measurements, the fastest way is the roofline (its
+    GFLOP/s scaled alike), and the note names both measurements."""
+
+    def measured(linear: float, onednn: float, reused: float) -> dict[str, Any]:
+        fastest = max(linear, onednn)
+        return {
+            "cpu": "test", "roofline_batch": 64, "fp32_matmul_gflops": fastest / 4,
+            "roofline_tokens_per_s": fastest,
+            "roofline_way": "onednn prepacked" if onednn >= linear else "F.linear",
+            "roofline_ways_tokens_per_s": {"F.linear": linear, "onednn prepacked": onednn},
+            "roofline_linear_tokens_per_s": linear, "roofline_reused_tokens_per_s": reused,
+        }  # fmt: skip
+
+    start, end = measured(240.0, 357.0, 349.0), measured(452.0, 700.0, 300.0)
+    machine = best_of(start, end)
+    assert machine["roofline_tokens_per_s"] == 700.0
+    assert machine["roofline_way"] == "onednn prepacked"
+    assert machine["fp32_matmul_gflops"] == 175.0 and machine["cpu"] == "test"
+    assert machine["roofline_ways_tokens_per_s"] == {"F.linear": 452.0, "onednn prepacked": 700.0}
+    assert machine["roofline_linear_tokens_per_s"] == 452.0
+    assert machine["roofline_reused_tokens_per_s"] == 349.0
+    assert machine["roofline_measurements_tokens_per_s"] == [357.0, 700.0]
+    rows = [{"workload": "independent", "system": "radixflow", "tokens_per_s": 378.0}]
+    note = roofline_note(rows, machine)
+    assert "= 54% of the fp32 compute roofline (700 tok/s" in note
+    assert "start and end (357, 700 tok/s)" in note
+    mixed = best_of(measured(500.0, 400.0, 1.0), measured(300.0, 450.0, 1.0))
+    assert mixed["roofline_way"] == "F.linear" and mixed["roofline_tokens_per_s"] == 500.0
 
 
 def test_rss_sampler_counts_a_child_and_lists_the_tree_about_once_a_second(
