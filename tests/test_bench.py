@@ -301,4 +301,4 @@ def test_rss_sampler_counts_a_child_and_lists_the_tree_about_once_a_second(
         time.sleep(0.2)
     elapsed = time.monotonic() - start
     assert rss.peak_mb > own_mb + 250
-    assert 1 <= len(listings) <= elapsed / RssSampler.LIST_EVERY_S + 2
+    assert 1 <= len(listings) <= elapsed + 2  # once a second, not every 50 ms sample
