@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixflow.kernels.cpu_decode_layout import slot_runs
+
 MAX_NEW_ROWS = 16  # new tokens per request
 MAX_RUNS = 8  # runs of consecutive slots per request's cached keys
 # Requests per batch: each is its own few calls per layer, where the general path makes one
@@ -43,8 +45,6 @@ def plan_short_extend(
     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
 ) -> ShortExtend | None:
     """The plan when every request is short and its keys lie in few runs, else None."""
-    from radixflow.kernels.cpu_attention import slot_runs  # cpu_attention imports this module
-
     starts = qo_indptr.tolist()
     sizes = [b - a for a, b in zip(starts, starts[1:])]
     if not sizes or len(sizes) > MAX_REQUESTS or max(sizes) > MAX_NEW_ROWS:

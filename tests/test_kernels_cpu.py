@@ -16,6 +16,7 @@ from radixflow.kernels import (
     CPU_OPS,
     REFERENCE_OPS,
     cpu_attention,
+    cpu_decode_layout,
     get_ops,
     native,
     reference,
@@ -188,7 +189,7 @@ def test_cpu_short_extend_matches_reference(
     args = (q, k, v, pool.k, pool.v, indptr(new), indptr([len(p) for p in prefixes]))
     args += (torch.cat(prefixes), HEAD_DIM**-0.5)
     layout = cpu_attention.make_layout(*args[5:8])
-    runs = cpu_attention.slot_runs(*args[6:8])
+    runs = cpu_decode_layout.slot_runs(*args[6:8])
     assert (layout.short is not None) == all(len(r) <= short_extend.MAX_RUNS for r in runs)
     if page_size == 64:
         assert layout.short is not None
@@ -236,7 +237,7 @@ def test_cpu_decode_reads_contiguous_runs_as_views(
     """Requests whose keys lie in a few runs of consecutive slots (one run; a shared prefix
     run then their own; two own runs; more runs than MAX_VIEW_RUNS: gathered) are attended
     over views of the pool, and the result is the spec's. fp32 views copy nothing."""
-    monkeypatch.setattr(cpu_attention, "VIEW_MIN_KEYS", 32)  # small shapes, same paths
+    monkeypatch.setattr(cpu_decode_layout, "VIEW_MIN_KEYS", 32)  # small shapes, same paths
     pool = ContiguousPool(4000, dtype, seed=group)
     prefix = pool.alloc(100)
     pieces = [pool.alloc(n) for n in (40, 30, 20, *[10] * 10)]
@@ -364,7 +365,8 @@ def test_runner_kv_cache_is_zero_filled(dtype: torch.dtype) -> None:
 
 
 def test_slot_runs() -> None:
-    runs = cpu_attention.slot_runs(indptr([3, 0, 4, 1]), torch.tensor([5, 6, 7, 8, 9, 20, 21, 2]))
+    slots = torch.tensor([5, 6, 7, 8, 9, 20, 21, 2])
+    runs = cpu_decode_layout.slot_runs(indptr([3, 0, 4, 1]), slots)
     assert runs == [[(5, 3)], [], [(8, 2), (20, 2)], [(2, 1)]]
 
 

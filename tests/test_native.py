@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_fused_ops import rope_tables
 from test_kernels_cpu import assert_close, indptr
 
-from radixflow.kernels import cpu_attention, native, reference
+from radixflow.kernels import cpu_attention, cpu_decode_layout, native, reference
 from radixflow.runtime.models.layers import rms_norm, rope_qk
 
 LIB = native.library()
@@ -92,7 +92,7 @@ def test_native_decode_attention_matches_reference(layout: str, shape: tuple, ex
 @needs_lib
 def test_native_decode_attention_is_the_same_on_any_thread_count() -> None:
     q, k, v, kv_indptr, kv_indices = pooled_batch("runs", 2, 3, 64)
-    runs = cpu_attention.run_table(kv_indptr, kv_indices)
+    runs = cpu_decode_layout.run_table(kv_indptr, kv_indices)
     threads = torch.get_num_threads()
     try:
         results = []
