@@ -22,7 +22,8 @@ from radixflow.kernels import cpu_attention, reference
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """One backend's ops. `prepare_extend(qo_indptr, kv_indptr, kv_indices)` and
+    """One backend's ops. `prepare_extend(qo_indptr, kv_indptr, kv_indices, new_slots=)`
+    (new_slots: where the layers store the new tokens' K/V before attending) and
     `prepare_decode(kv_indptr, kv_indices)`, when set, derive per-forward index layouts once;
     the result is passed to every layer's call as `layout=`. `rope_decode_attention`, when
     set, does a decode-only step's rope, KV store and attention in one call (or returns None,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_fused_ops import rope_tables
-from test_kernels_cpu import assert_close, indptr
+from test_kernels_cpu import HEAD_DIM, PagedPool, assert_close, indptr
 
 from radixflow.kernels import cpu_attention, cpu_decode_layout, native, reference
 from radixflow.runtime.models.layers import rms_norm, rope_qk
@@ -290,6 +290,71 @@ def test_engine_decodes_through_the_one_call_with_the_same_tokens(engine, monkey
     engine.flush_cache()
     separate = [r["output_ids"] for r in engine.generate(prompts, params)]
     assert fused == separate
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("logit_cap", [0.0, 5.0])
+def test_short_requests_extend_as_decode_rows(
+    group: int, page_size: int, dtype: torch.dtype, logit_cap: float, monkeypatch
+) -> None:
+    """Extends of short requests (cached and new keys within ROWS_MAX_KEYS) whose new keys
+    are stored in the pool first, as the model does, run as one native decode row per new
+    token reading the pool; same result as the spec. fp16 pools fall back to the general
+    path; a request past the bound keeps the whole batch on it."""
+    pool = PagedPool(4000 // page_size + 40, page_size, dtype, seed=11)
+    shapes = [(0, 21), (1, 7), (31, 1), (64, 33), (5, 21), (90, 38)]  # (cached, new)
+    prefixes = [pool.alloc(p) for p, _ in shapes]
+    new_slots = torch.cat([pool.alloc(n) for _, n in shapes])  # the new keys, stored
+    q = pool.queries(len(new_slots), group)
+    args = (q, pool.k[new_slots], pool.v[new_slots], pool.k, pool.v)
+    args += (indptr([n for _, n in shapes]), indptr([p for p, _ in shapes]))
+    args += (torch.cat(prefixes), HEAD_DIM**-0.5)
+    layout = cpu_attention.make_layout(*args[5:8], new_slots=new_slots)
+    assert layout.row_runs is not None
+    real, taken = native.decode_attention, []
+
+    def counted(*a, **kw):
+        result = real(*a, **kw)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native, "decode_attention", counted)
+    out = cpu_attention.extend_attention(*args, layout=layout, logit_cap=logit_cap)
+    assert taken == [dtype == torch.float32]  # fp16: refused, then the fused kernel's path
+    assert_close(out, reference.extend_attention(*args, logit_cap=logit_cap))
+    longer = torch.cat([prefixes[-1], pool.alloc(cpu_attention.ROWS_MAX_KEYS)])
+    too_long = (args[5], indptr([*(p for p, _ in shapes[:-1]), len(longer)]))
+    too_long += (torch.cat([*prefixes[:-1], longer]),)
+    assert cpu_attention.make_layout(*too_long, new_slots=new_slots).row_runs is None
+
+
+@needs_lib
+def test_engine_prefills_short_prompts_as_decode_rows(engine, monkeypatch) -> None:
+    """SmolLM2's prefill of short prompts attends as one native decode row per prompt token
+    (`cpu_attention.ROWS_MAX_KEYS`) in every layer, with the same tokens as the fused
+    kernel's path (the bound set to 0). Six prompts: four or fewer take short_extend."""
+    prompts = [f"Name {i} rivers:" for i in range(6)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    real, rows = native.decode_attention, []
+
+    def counted(q, *args, **kwargs):
+        rows.append(len(q))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(native, "decode_attention", counted)
+    engine.flush_cache()
+    results = engine.generate(prompts, params)
+    as_rows = [r["output_ids"] for r in results]
+    prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
+    assert rows.count(prompt_tokens) == 30  # one call a layer, a row per prompt token
+    monkeypatch.setattr(cpu_attention, "ROWS_MAX_KEYS", 0)
+    rows.clear()
+    engine.flush_cache()
+    fused = [r["output_ids"] for r in engine.generate(prompts, params)]
+    assert prompt_tokens not in rows and fused == as_rows
 
 
 @needs_lib

@@ -471,8 +471,9 @@ class CausalLM(nn.Module):
             extra = {"sliding_window": window} if window else {}
             if ops.prepare_extend is not None and batch.num_extend_tokens:
                 batch.layouts["extend", window] = ops.prepare_extend(
-                    batch.extend_qo_indptr, batch.extend_kv_indptr, batch.extend_kv_indices, **extra
-                )
+                    batch.extend_qo_indptr, batch.extend_kv_indptr, batch.extend_kv_indices,
+                    new_slots=batch.out_slots[: batch.num_extend_tokens], **extra,
+                )  # fmt: skip
             supplied = ("decode", window) in batch.layouts
             if (
                 ops.prepare_decode is not None
