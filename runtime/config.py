@@ -86,6 +86,11 @@ class ServerConfig:
     disable_cpu_weight_prepack: bool = _knob(
         False, "CPU fp32: multiply with F.linear, packing nothing (same as --cpu-matmul linear)"
     )
+    disable_cpu_decode_loop: bool = _knob(
+        False,
+        "CPU: run decode steps' layers in Python, not in the compiled loop "
+        "(kernels/decode_loop.py; built at load, for plain pre-norm models)",
+    )
     disable_kv_prefault: bool = _knob(
         False,
         "CPU: leave the KV pool's pages unwritten until requests first use them (less memory "

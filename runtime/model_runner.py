@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from radixflow.kernels import AttentionOps, get_ops
+from radixflow.kernels import AttentionOps, decode_loop, get_ops
 from radixflow.runtime import models
 from radixflow.runtime.batch import BatchPlan, StepResult
 from radixflow.runtime.config import ServerConfig
@@ -55,6 +55,8 @@ def load_model(
     model = model.to(device=device, dtype=dtype).eval()
     if not config.disable_cpu_weight_prepack:
         prepack(model, config.cpu_matmul)
+    if not config.disable_cpu_decode_loop:
+        model.decode_loop = decode_loop.build(model)  # None where the model does not qualify
     return model
 
 

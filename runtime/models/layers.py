@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixflow.kernels import AttentionOps, native
+from radixflow.kernels.decode_loop import DecodeLoop
 from radixflow.runtime.models import UnsupportedModelError, prepack
 from radixflow.runtime.models.weights import load_weights
 
@@ -423,6 +424,9 @@ class CausalLM(nn.Module):
         # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_pack: prepack.Packed | None = None  # the LM head's packed copy (prepack.py)
+        # CPU: decode-only steps' layers in one compiled call (kernels/decode_loop.py), set at
+        # load where the model qualifies; the layer loop below is its reference
+        self.decode_loop: DecodeLoop | None = None
 
     @torch.inference_mode()
     def forward(
@@ -442,8 +446,12 @@ class CausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         rope = self.rope(batch.positions, hidden.dtype)
         local_rope = self.sliding_rope(batch.positions, hidden.dtype) if self.sliding_rope else rope
-        residual = None
-        for i, layer in enumerate(self.layers):
+        residual, looped = None, None
+        if self.decode_loop is not None and not batch.num_extend_tokens:
+            looped = self.decode_loop.run(batch, hidden, rope, k_caches, v_caches)
+        if looped is not None:
+            hidden, residual = looped
+        for i, layer in enumerate(self.layers if looped is None else ()):
             layer_rope = local_rope if layer.window else rope
             hidden, residual = layer(
                 hidden, layer_rope, batch, k_caches[i], v_caches[i], self.ops, residual

@@ -214,5 +214,6 @@ def parallelize(model: CausalLM, full: ModelConfig, shard: Shard, collectives: C
         layer.o_proj = RowParallelLinear(layer.o_proj, collectives)
         layer.down_proj = RowParallelLinear(layer.down_proj, collectives)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, shard.vocab[0], collectives)
+    model.decode_loop = None  # the compiled loop has no all-reduce after o_proj, down_proj
     model.gather_logits = partial(gather_vocab, vocab_size=full.vocab_size, collectives=collectives)
     model.config = dataclasses.replace(model.config, vocab_size=full.vocab_size)
