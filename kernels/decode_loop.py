@@ -132,8 +132,10 @@ def build(model: Any) -> DecodeLoop | None:
         and not (c.sandwich_norm or c.qk_norm or c.norm_offset or c.attn_logit_cap)
         and not any(layer.window for layer in model.layers)
         and model.gather_logits is None
-        and c.head_dim % 16 == 0
+        and c.head_dim % 16 == 0  # the native attention's shapes (rf_rope_decode_attention)
+        and c.head_dim <= 256
         and c.num_heads % c.num_kv_heads == 0
+        and c.num_heads // c.num_kv_heads <= 8
     )
     projections = [
         getattr(layer, name)

@@ -88,13 +88,14 @@ def test_shared_prefixes_decline_to_python(engine, model, monkeypatch) -> None:
 
 def test_models_it_does_not_serve_get_none(model, monkeypatch) -> None:
     """A model the loop does not cover (here: its LM head sharded, as tensor parallelism
-    does; soft-capping; q/k norms) builds no loop."""
+    does; soft-capping; q/k norms; a head size the native attention does not take) builds
+    no loop."""
     import dataclasses
 
     assert decode_loop.build(model) is not None
     monkeypatch.setattr(model, "gather_logits", lambda logits: logits)
     assert decode_loop.build(model) is None
     monkeypatch.setattr(model, "gather_logits", None)
-    for change in ({"attn_logit_cap": 30.0}, {"qk_norm": True}):
+    for change in ({"attn_logit_cap": 30.0}, {"qk_norm": True}, {"head_dim": 40}):
         monkeypatch.setattr(model, "config", dataclasses.replace(model.config, **change))
         assert decode_loop.build(model) is None
