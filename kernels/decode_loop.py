@@ -5,13 +5,13 @@ On CPU, a decode step's matmuls and native kernels are separated by Python: wrap
 checks, tensor bookkeeping and the layer code, about 300 us a layer when run cold after a
 matmul has streamed its weights through the caches. The loop makes the same calls in the
 same order (so the same bits come out) with none of that between them: SmolLM2, 64 streams,
-2 threads, a decode step took 118 ms against 127 ms, alternating steps in one engine.
+2 threads, a decode step took 124 ms against 130 ms, alternating steps in one engine.
 
 - It serves the plain pre-norm decoder: fused qkv and gate_up projections without biases,
   each prepacked for oneDNN (`runtime/models/prepack.py`), RMSNorm without offset, SiLU,
   no q/k norm, no sliding window, no soft-capping, fp32, the native kernels built. `build`
-  returns None for any other model (Llama, SmolLM2, Mistral without a window, Qwen2 without
-  biases qualify), and `DecodeLoop.run` returns None for a step it does not take (shared
+  returns None for any other model (Llama and SmolLM2 qualify; so does Mistral without its
+  window), and `DecodeLoop.run` returns None for a step it does not take (shared
   prefixes to merge, too few rows for the packs): the layers then run in Python.
 - Built once per machine into `RADIXFLOW_CACHE/decode_loop` (about 30 s, at model load);
   where it cannot be built (no C++ compiler, ninja or torch headers) it is off, with a log
@@ -146,9 +146,7 @@ def build(model: Any) -> DecodeLoop | None:
     plain = plain and all(
         type(p) is PackedLinear and p.packed.way == "onednn" and p.bias is None for p in projections
     )
-    if not plain or native.library() is None:
-        return None
-    ext = extension()
+    ext = extension() if plain else None  # None too where the native kernels are not built
     if ext is None:
         return None
     lib = native.library()
