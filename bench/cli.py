@@ -106,7 +106,7 @@ def make_system(name: str, models: Models) -> Any:
     if not python:
         raise BenchError(f"skipped: not installed (set {WORKER_ENV[name]} to its venv's python)")
     if name == "llama.cpp":
-        from radixflow.runtime.loader import BUILTIN_MODELS, builtin_gguf
+        from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf
 
         if models.model not in BUILTIN_MODELS and not models.model.endswith(".gguf"):
             raise BenchError("skipped: llama.cpp needs a GGUF model")
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         return out.replot(args.from_json, args.plot)
     from radixflow.bench.roofline import best_of, compute_roofline
-    from radixflow.runtime.loader import resolve_model_dir
+    from radixflow.runtime.models.loader import resolve_model_dir
     from radixflow.runtime.tokenizer import load_tokenizer
 
     if args.threads:  # on a shared machine, fewer threads than cores avoids OpenMP stalls

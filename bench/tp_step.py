@@ -74,7 +74,7 @@ def collective_latency(rank: int, addr: str, shapes: list[tuple[int, int]], reps
     """Two ranks all-reduce (rows, hidden) fp32 back to back: ms per call, by shape."""
     import torch
 
-    from radixflow.runtime.tensor_parallel import TensorParallel
+    from radixflow.runtime.distributed.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
     listen = None

@@ -351,7 +351,7 @@ def server_codec(tokenizer: Any) -> Codec:
 
 
 if __name__ == "__main__":
-    from radixflow.runtime.loader import resolve_model_dir
+    from radixflow.runtime.models.loader import resolve_model_dir
     from radixflow.runtime.tokenizer import load_tokenizer
 
     codec = server_codec(load_tokenizer(resolve_model_dir("smollm2")))

@@ -19,7 +19,7 @@ from radixflow.chat_template import ChatTemplate
 from radixflow.choices import ChoicesSamplingMethod, token_length_normalized
 from radixflow.interpreter import ProgramState, resolve_backend, run_program, run_program_batch
 from radixflow.ir import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, as_expr, flatten
-from radixflow.runtime.sampling import SamplingParams
+from radixflow.runtime.protocol.sampling import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"choices"}
 LOGPROB_FIELDS = frozenset(

@@ -14,7 +14,7 @@ DEALER socket, callers hand it frames through a queue (and a wake-up pipe) and w
 per-request reply queue. The I/O thread pings the server while requests are in flight (the
 server aborts requests of silent clients) and watches the connection: when it drops, every
 waiting call fails at once with RuntimeEndpointError, and no call waits past its timeout.
-The protocol is specified in `radixflow.runtime.messages`.
+The protocol is specified in `radixflow.runtime.protocol.messages`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import zmq.utils.monitor
 
 from radixflow.http_endpoint import HttpEndpointMethods, HttpTransport
 from radixflow.runtime.config import config_from_kwargs
-from radixflow.runtime.messages import (
+from radixflow.runtime.protocol.messages import (
     CLIENT_REPLIES,
     ERROR_DISCONNECTED,
     ERROR_TIMEOUT,

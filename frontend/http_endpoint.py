@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from radixflow.runtime.messages import (
+from radixflow.runtime.protocol.messages import (
     ERROR_DISCONNECTED,
     ERROR_INVALID_REQUEST,
     ERROR_TIMEOUT,

@@ -2,7 +2,7 @@
 
 `get_ops(backend, device)` returns the ops object a model is built with (no global state):
   reference  `radixflow.kernels.reference`, the plain-torch spec (any device; slow)
-  torch      the CPU fast path `radixflow.kernels.cpu_attention` on CPU, the reference elsewhere
+  torch      the CPU fast path `radixflow.kernels.cpu.attention` on CPU, the reference elsewhere
              (the fast path calls torch's fused CPU attention kernel)
   triton     the Triton kernels (`decode_attention`, `extend_attention`)
   auto       Triton on CUDA, the CPU fast path on CPU, the reference elsewhere
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from radixflow.kernels import cpu_attention, reference
+from radixflow.kernels import reference
+from radixflow.kernels.cpu import attention as cpu_attention
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ CPU_OPS = AttentionOps(
 def triton_ops() -> AttentionOps:
     """The Triton kernels (imported lazily: triton is optional on CPU machines). Decode
     reads KV runs shared by several requests once per group (`decode_layout`)."""
-    from radixflow.kernels.decode_attention import decode_attention, decode_layout
-    from radixflow.kernels.extend_attention import extend_attention
+    from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
+    from radixflow.kernels.triton.extend_attention import extend_attention
 
     return AttentionOps(
         "triton", extend_attention, decode_attention, reference.store_kv, None, decode_layout

@@ -1,7 +1,7 @@
 """The specification of every attention op: plain torch, one request at a time, any device.
 
 Each function has the signature of its Triton kernel and is what the kernels and the CPU
-fast path (`radixflow.kernels.cpu_attention`) are tested against. It is meant to be checked
+fast path (`radixflow.kernels.cpu.attention`) are tested against. It is meant to be checked
 by eye, not to be fast: no layouts, no grouping, no fused kernels.
 
 Metadata format (integer tensors; B requests):

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from radixflow.runtime import Engine
-from radixflow.runtime.request import Req
-from radixflow.runtime.sampling import SamplingParams
+from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.runtime.scheduler.request import Req
 
 STORY = (
     "The lighthouse keeper kept a log of every ship that passed the northern cape. Over forty "

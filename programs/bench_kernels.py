@@ -83,7 +83,7 @@ def sdpa(
 def decode_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
     """The decode implementations to time; each returns (B, H, D)."""
     from radixflow.kernels import reference
-    from radixflow.kernels.decode_attention import decode_attention
+    from radixflow.kernels.triton.decode_attention import decode_attention
 
     k_buffer, v_buffer, slots = make_pool(shape, shape.batch * shape.context)
     kv_indptr = uniform_indptr(shape.batch, shape.context)
@@ -106,7 +106,7 @@ def decode_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
 def extend_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
     """The extend implementations to time; each returns (B * extend, H, D)."""
     from radixflow.kernels import reference
-    from radixflow.kernels.extend_attention import extend_attention
+    from radixflow.kernels.triton.extend_attention import extend_attention
 
     prefix = shape.context - shape.extend
     k_buffer, v_buffer, slots = make_pool(shape, shape.batch * shape.context)

@@ -34,8 +34,8 @@ import httpx
 import radixflow as sgl
 from radixflow.bench import dsl, workloads
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.data_parallel import DataParallel
-from radixflow.runtime.loader import resolve_model_dir
+from radixflow.runtime.distributed.data_parallel import DataParallel
+from radixflow.runtime.models.loader import resolve_model_dir
 from radixflow.runtime.tokenizer import load_tokenizer
 
 WORKLOADS = ("few_shot", "agent", "multi_turn")

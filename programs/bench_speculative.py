@@ -32,7 +32,7 @@ from radixflow.bench import workloads
 from radixflow.bench.engine import RadixflowSystem
 from radixflow.bench.workloads import Call, Codec
 from radixflow.runtime import Engine
-from radixflow.runtime.loader import builtin_gguf
+from radixflow.runtime.models.loader import builtin_gguf
 
 CHATS = [
     "Write a short story about a lighthouse keeper.",

@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return ServerConfig
     if name == "SamplingParams":
-        from radixflow.runtime.sampling import SamplingParams
+        from radixflow.runtime.protocol.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

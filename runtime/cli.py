@@ -1,5 +1,5 @@
-"""`radixflow serve` (also `python -m radixflow.runtime`): start a runtime server;
-`radixflow bench`: the benchmark suite (`radixflow.bench.cli`, its own flags).
+"""`radixflow serve` (also `python -m radixflow.runtime`): start a runtime server. (The
+`radixflow` command, `radixflow.lab.cli`, hands `serve` and the internal entries here.)
 
     radixflow serve --model smollm2 --port 0
 
@@ -9,7 +9,7 @@ radixflow's ZeroMQ protocol on `--zmq-port` (default 30001); `--port 0` picks bo
 server prints one line `radixflow ready on http://HOST:P (HTTP) and tcp://HOST:Q (ZeroMQ)`
 on stdout when it can serve; logs go to stderr. `radixflow scheduler` and `radixflow
 tp-worker` are the internal entries of the scheduler process and of tensor-parallel ranks
-1..N-1; `serve --node-rank K` (K > 0) runs only node K's ranks (runtime/tp_worker.py).
+1..N-1; `serve --node-rank K` (K > 0) runs only node K's ranks (runtime/distributed/tp_worker.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
-from radixflow.runtime.lab_cli import LAB_COMMANDS
+from radixflow.runtime.distributed.data_parallel import serve_data_parallel
+from radixflow.runtime.distributed.tp_worker import run_worker, serve_node
+from radixflow.runtime.protocol.transport import IpcAddresses
+from radixflow.runtime.scheduler.loop import run_scheduler
+from radixflow.runtime.server import server
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-COMMANDS = ("serve", "bench", "scheduler", "tp-worker", *LAB_COMMANDS)
+COMMANDS = ("serve", "scheduler", "tp-worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,9 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(serve)
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="stderr log level")
-    commands.add_parser("bench", help="run the benchmark suite (radixflow bench --help)")
-    for name in LAB_COMMANDS:  # own flags: runtime/lab_cli.py
-        commands.add_parser(name, help=f"the scheduler lab (radixflow {name} --help)")
     internal = commands.add_parser("scheduler", help="(internal) the scheduler process")
     internal.add_argument("--ipc-dir", required=True)
     internal.add_argument("--parent-pid", type=int, required=True)
@@ -59,34 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["serve", *argv]  # `python -m radixflow.runtime --model smollm2`
-    if argv[0] in LAB_COMMANDS:
-        from radixflow.runtime.lab_cli import main as lab_main
-
-        return lab_main(argv)
-    if argv[0] == "bench":
-        from radixflow.bench.cli import main as bench_main
-
-        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from radixflow.runtime import server
-
     if args.command == "scheduler":
-        from radixflow.runtime.scheduler_loop import run_scheduler
-        from radixflow.runtime.transport import IpcAddresses
-
         config = config_from_kwargs(**json.loads(args.config_json))
         run_scheduler(config, IpcAddresses(args.ipc_dir), args.parent_pid)
         return 0
     if args.command == "tp-worker":
-        from pathlib import Path
-
-        from radixflow.runtime.tp_worker import run_worker
-
         config = config_from_kwargs(**json.loads(args.config_json))
         return run_worker(config, args.rank, args.init_addr, Path(args.model_dir), args.parent_pid)
     try:
@@ -95,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixflow: {e}", file=sys.stderr)
         return 2
     if config.node_rank > 0:  # another machine's tensor-parallel ranks; no server here
-        from radixflow.runtime.tp_worker import serve_node
-
         return serve_node(config)
     if config.dp_size > 1:
-        from radixflow.runtime.data_parallel import serve_data_parallel
-
         return serve_data_parallel(config, args.log_level)
     return server.serve(config, args.log_level)

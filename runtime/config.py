@@ -89,7 +89,7 @@ class ServerConfig:
     disable_cpu_decode_loop: bool = _knob(
         False,
         "CPU: run decode steps' layers in Python, not in the compiled loop "
-        "(kernels/decode_loop.py; built at load, for plain pre-norm models)",
+        "(kernels/cpu/decode_loop.py; built at load, for plain pre-norm models)",
     )
     disable_kv_prefault: bool = _knob(
         False,

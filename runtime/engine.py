@@ -3,7 +3,7 @@
     with Engine(model="smollm2") as engine:
         out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
 
-`build_scheduler` is shared with the server's scheduler process (runtime/scheduler_loop.py),
+`build_scheduler` is shared with the server's scheduler process (runtime/scheduler/loop.py),
 so both run the same code.
 """
 
@@ -23,16 +23,22 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
-from radixflow.runtime.cuda_graph import graph_max_bs
-from radixflow.runtime.kv_pool import KVPool
-from radixflow.runtime.kv_sizing import size_kv_pool
-from radixflow.runtime.loader import resolve_model_dir
-from radixflow.runtime.model_runner import ModelRunner, load_model, pick_device, pick_dtype
-from radixflow.runtime.models.llama import LlamaModel
-from radixflow.runtime.request import Req, RequestLimits
-from radixflow.runtime.sampling import SamplingParams
-from radixflow.runtime.scheduler import Scheduler
+from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
+from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
+from radixflow.runtime.model_executor.model_runner import (
+    ModelRunner,
+    load_model,
+    pick_device,
+    pick_dtype,
+)
+from radixflow.runtime.models.layers import CausalLM
+from radixflow.runtime.models.loader import resolve_model_dir
+from radixflow.runtime.protocol.limits import RequestLimits
+from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.runtime.scheduler.request import Req
+from radixflow.runtime.scheduler.scheduler import Scheduler
 from radixflow.runtime.tokenizer import (
     IncrementalDetokenizer,
     build_output,
@@ -52,7 +58,7 @@ class ModelBundle:
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: CausalLM
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     hf_config: dict[str, Any]
@@ -67,7 +73,7 @@ def load(config: ServerConfig) -> LoadedModel:
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
     if config.tp_size > 1:  # torch.distributed only on this path
-        from radixflow.runtime.tensor_parallel import start_rank0  # noqa: PLC0415
+        from radixflow.runtime.distributed.tensor_parallel import start_rank0  # noqa: PLC0415
 
         model, tp = start_rank0(config, model_dir)
         return LoadedModel(model, tokenizer, model_dir, hf_config, tp)
@@ -141,7 +147,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
 def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
-    from radixflow.runtime.constraints import GrammarBackend  # noqa: PLC0415 (heavy)
+    from radixflow.runtime.constrained.grammar import GrammarBackend  # noqa: PLC0415 (heavy)
 
     return GrammarBackend(
         tokenizer,

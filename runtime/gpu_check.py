@@ -1,7 +1,7 @@
 """`python -m radixflow.runtime.gpu_check`: what the CUDA path must show, in one run.
 
 On one GPU, in a few minutes:
-  kernel_tests      pytest tests/test_kernels_gpu.py (Triton kernels vs the reference at
+  kernel_tests      pytest tests/kernels/test_kernels_gpu.py (Triton kernels vs the reference at
                     realistic shapes, fp16/bf16/fp32), in its own process
   kernels           the Triton kernels called here, on SmolLM2's head shapes: split-KV
                     decode, shared-prefix decode (nested runs) through `decode_layout` and
@@ -16,8 +16,8 @@ On one GPU, in a few minutes:
                     against the memory-bandwidth roofline (H200: 4.8 TB/s)
 --dry-run runs the same on CPU at tiny sizes, everything but the CUDA parts: the kernels in
 Triton's interpreter, the Engine on the CPU ops, graphs through the "record" backend
-(runtime/cuda_graph.py), no GPU pytest, shared-prefix-off rows skipped (the CPU fast path
-has no switch). Writes JSON (--out), prints a table, exits 1 when a check fails.
+(runtime/model_executor/cuda_graph.py), no GPU pytest, shared-prefix-off rows skipped (the CPU fast
+path has no switch). Writes JSON (--out), prints a table, exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def tiny_model_dir(root: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from radixflow.runtime.loader import resolve_model_dir
+    from radixflow.runtime.models.loader import resolve_model_dir
 
     source = resolve_model_dir("smollm2")
     config = LlamaConfig(
@@ -91,7 +91,7 @@ def timed(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def kernel_tests() -> dict[str, Any]:
-    """tests/test_kernels_gpu.py in its own process (no TRITON_INTERPRET)."""
+    """tests/kernels/test_kernels_gpu.py in its own process (no TRITON_INTERPRET)."""
     path = Path(__file__).resolve().parents[1] / "tests" / "test_kernels_gpu.py"
     if not path.exists():
         return {"ok": False, "error": f"{path} not found (run from a source checkout)"}
@@ -139,15 +139,15 @@ def kernels(device: Any, dry: bool) -> dict[str, Any]:
     import torch
 
     from radixflow.kernels import reference
-    from radixflow.kernels.decode_attention import decode_attention, decode_layout
-    from radixflow.kernels.extend_attention import extend_attention
-    from radixflow.kernels.shared_prefix_attention import (
+    from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
+    from radixflow.kernels.triton.extend_attention import extend_attention
+    from radixflow.kernels.triton.shared_prefix_attention import (
         LAYOUT_TENSORS,
         DecodeLayout,
         host_decode_layout,
         pad_layout,
     )
-    from radixflow.runtime.cuda_graph import ENTRIES_PER_REQUEST, graph_batch_sizes
+    from radixflow.runtime.model_executor.cuda_graph import ENTRIES_PER_REQUEST, graph_batch_sizes
 
     dtype = torch.float32 if dry else torch.bfloat16
     atol = 1e-5 if dry else 2e-2
@@ -197,7 +197,7 @@ def host_layout_ms() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from radixflow.kernels.shared_prefix_attention import host_decode_layout, pad_layout
+    from radixflow.kernels.triton.shared_prefix_attention import host_decode_layout, pad_layout
 
     result = {}
     for name, shared, own in (("independent_x256", 0, 100), ("shared_1000_x256", 1000, 50)):
@@ -255,7 +255,7 @@ def transformers_equality(engine: Any, new: int) -> dict[str, Any]:
 def graph_runner(engine: Any, backend: str, max_bs: int) -> Any:
     """Give `engine` a fresh ModelRunner with decode graphs (the "record" backend on CPU);
     a check-only swap through the scheduler, with the pool's own size and the config's."""
-    from radixflow.runtime.model_runner import ModelRunner
+    from radixflow.runtime.model_executor.model_runner import ModelRunner
 
     config, scheduler = engine.config, engine.scheduler
     runner = ModelRunner(

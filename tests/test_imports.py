@@ -11,14 +11,14 @@ import sys
 import pytest
 
 TORCH_FREE = [
-    "radixflow.runtime.scheduler",
-    "radixflow.runtime.radix_cache",
-    "radixflow.runtime.kv_pool",
-    "radixflow.runtime.request",
+    "radixflow.runtime.scheduler.scheduler",
+    "radixflow.runtime.cache.radix_cache",
+    "radixflow.runtime.cache.kv_pool",
+    "radixflow.runtime.scheduler.request",
     "radixflow.runtime.config",
-    "radixflow.runtime.messages",
-    "radixflow.runtime.transport",
-    "radixflow.runtime.sampling",
+    "radixflow.runtime.protocol.messages",
+    "radixflow.runtime.protocol.transport",
+    "radixflow.runtime.protocol.sampling",
     "radixflow",
     "radixflow.backend",
     "radixflow.api",
@@ -55,8 +55,8 @@ def test_module_imports_no_torch(module: str) -> None:
     [
         "import radixflow.runtime",
         "import radixflow.runtime.engine",
-        "import radixflow.runtime.scheduler_loop",
-        "import radixflow.runtime.server",
+        "import radixflow.runtime.scheduler.loop",
+        "import radixflow.runtime.server.server",
         "import radixflow.kernels",
     ],
 )

@@ -1,5 +1,5 @@
-"""Rank 1 of the tensor-parallel shard test (tests/test_tensor_parallel.py), and the step
-both ranks run.
+"""Rank 1 of the tensor-parallel shard test (tests/runtime/distributed/test_tensor_parallel.py),
+and the step both ranks run.
 
     python tests/tp_ranks.py HOST:PORT ROOT
 
@@ -71,7 +71,7 @@ def ragged_logits(model: CausalLM) -> torch.Tensor:
 
 
 def main(addr: str, root: Path) -> int:
-    from radixflow.runtime.tensor_parallel import TensorParallel, load_shard
+    from radixflow.runtime.distributed.tensor_parallel import TensorParallel, load_shard
 
     torch.set_num_threads(1)
     tp = TensorParallel.join(1, 2, addr, 30.0, CPU)

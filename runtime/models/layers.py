@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixflow.kernels import AttentionOps, native
-from radixflow.kernels.decode_loop import DecodeLoop
+from radixflow.kernels import AttentionOps
+from radixflow.kernels.cpu import native
+from radixflow.kernels.cpu.decode_loop import DecodeLoop
 from radixflow.runtime.models import UnsupportedModelError, prepack
 from radixflow.runtime.models.weights import load_weights
 
@@ -234,7 +235,7 @@ def add_rms_norm(
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, rms_norm(h)) for h = x + residual (x alone when residual is None): one native
-    pass over fp32 rows where the kernels are built (kernels/native.py), else `rms_norm`."""
+    pass over fp32 rows where the kernels are built (kernels/cpu/native.py), else `rms_norm`."""
     if not offset:
         fused = native.rms_norm(x, weight, eps, residual)
         if fused is not None:
@@ -259,7 +260,7 @@ def rope_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     qkv output. Each half is written straight into the result (x1·cos - x2·sin, then
     x2·cos + x1·sin), with no concatenated rotate-half copy: 2.2x faster than two calls at
     64 decode rows (SmolLM2 shapes, 1 thread). Assumes cos/sin repeat their two halves, as
-    `Rope` builds them. One native pass where the kernels are built (kernels/native.py);
+    `Rope` builds them. One native pass where the kernels are built (kernels/cpu/native.py);
     `DecoderLayer._attention` calls that pass with the KV store folded in first."""
     fused = native.rope(qk, cos, sin)
     if fused is not None:
@@ -424,7 +425,7 @@ class CausalLM(nn.Module):
         # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_pack: prepack.Packed | None = None  # the LM head's packed copy (prepack.py)
-        # CPU: decode-only steps' layers in one compiled call (kernels/decode_loop.py), set at
+        # CPU: decode-only steps' layers in one compiled call (kernels/cpu/decode_loop.py), set at
         # load where the model qualifies; the layer loop below is its reference
         self.decode_loop: DecodeLoop | None = None
 

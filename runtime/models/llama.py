@@ -1,15 +1,11 @@
 """Llama-shaped families: Llama, Mistral, Qwen2/2.5, Qwen3 (the shared decoder of `layers`,
-with these switches). `LlamaConfig`, `LlamaModel` and `ForwardBatch` keep their old names."""
+with these switches)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixflow.runtime.models.layers import CausalLM, ForwardBatch, ModelConfig
-
-LlamaConfig = ModelConfig
-LlamaModel = CausalLM
-__all__ = ["CONFIGS", "ForwardBatch", "LlamaConfig", "LlamaModel"]
+from radixflow.runtime.models.layers import ModelConfig
 
 
 def llama(hf: Any, arch: str) -> ModelConfig:

@@ -37,7 +37,8 @@ from radixflow.runtime.models.layers import CausalLM, ModelConfig
 
 
 class Collectives(Protocol):
-    """The group operations a shard needs (runtime/tensor_parallel.py implements them)."""
+    """The group operations a shard needs (runtime/distributed/tensor_parallel.py implements
+    them)."""
 
     rank: int
     size: int

@@ -1,0 +1,473 @@
+/* radixflow's native CPU kernels: fp32 loops that torch's eager ops run as several passes
+ * (or, for decode attention, as many tiny matmuls). Built at first use by kernels/cpu/native.py
+ * with the system C compiler (-O3 -march=native -fopenmp, linked against the OpenMP runtime
+ * torch has already loaded, so both share one thread pool) and called through ctypes.
+ * Every function here has a torch twin that is the reference (kernels/cpu/native.py says which);
+ * tests/kernels/cpu/test_native.py holds each to it.
+ *
+ * Vectors are GCC vector extensions of 16 floats (one AVX-512 register; the compiler splits
+ * them where the machine has narrower ones). Sums run in a fixed order per row, so results
+ * do not depend on the thread count. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(64)));  /* 8 doubles */
+#define VW 16
+#define BLOCK 64   /* keys per online-softmax block: a multiple of VW */
+#define MAX_GROUP 8  /* query heads per KV head */
+#define MAX_CHUNKS 16  /* head_dim up to 256 */
+
+static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+static inline vf vmax(vf a, vf b) {
+    vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+}
+
+static inline float hsum(vf x) {  /* in tree order: 4 shuffles and adds */
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+/* r[j] = the sum of a[j]'s lanes, for 16 vectors at once (15 two-source shuffle pairs). */
+static inline vf reduce16(const vf a[VW]) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1],
+                                 (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1],
+                                 (vi){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(c[2 * i], c[2 * i + 1],
+                                 (vi){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(d[0], d[1], (vi){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(d[0], d[1], (vi){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+/* exp(x) lane by lane for x <= 0 (clamped at -87), as Cephes' expf computes it: n the
+ * nearest integer to x / ln 2, f = x - n ln 2 in two parts (exact products), then
+ * 2^n * (1 + f + f^2 p(f)) with its degree-5 minimax p: within 2 ulp of exp. */
+static inline vf vexp_neg(vf x) {
+    x = vmax(x, (vf){0} - 87.f);
+    vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi); /* <= 0: truncation rounds up */
+    vf nf = __builtin_convertvector(n, vf);
+    vf f = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * (f * f) + f + 1.f;
+    return (vf)((vi)p + (n << 23));
+}
+
+/* tanh lane by lane: sign(x) (1 - e) / (1 + e), e = exp(-2 |x|) */
+static inline vf vtanh(vf x) {
+    vi sign = (vi){0} + INT32_MIN;
+    vf e = vexp_neg((vf)((vi)(x + x) | sign));
+    return (vf)((vi)((1.f - e) / (1.f + e)) | ((vi)x & sign));
+}
+
+static inline float exp_neg(float x) { return vexp_neg((vf){0} + x)[0]; }
+
+#define MAX_ROWS 64  /* query rows (heads x group) one task keeps state for */
+
+/* A prefetch cursor over slots [row, end) of the k and v pools, `width` floats of each:
+ * `advance` asks for the next cache line of both. The attention below advances it once per
+ * (key, head) it scores or weighs, so the next block's loads spread over this block's work.
+ * On this project's AMD EPYC (2 threads, 64 requests of 89 keys, pools cold), attention
+ * took 0.68-0.75x the time of prefetching each next block in one burst at its start, and
+ * 0.8x at 400 keys. */
+typedef struct { const float *k, *v; int64_t ks, row, end, width, off; } Prefetch;
+
+static inline void advance(Prefetch *p, int lines) {
+    for (int i = 0; i < lines && p->row < p->end; i++) {
+        __builtin_prefetch(p->k + p->row * p->ks + p->off);
+        __builtin_prefetch(p->v + p->row * p->ks + p->off);
+        p->off += 16;
+        if (p->off >= p->width) p->off = 0, p->row++;
+    }
+}
+
+/* Query rows of NH KV heads (G rows each: q + (h * G + g) * D) over the keys of `num_runs`
+ * runs of consecutive slots (run i: slots first[i] .. first[i] + count[i] - 1; slot j of
+ * head h at k + j * ks + h * hs), by online softmax -> out (NH * G x D), lse (NH * G).
+ * Keys and values are read in memory order, block by block: each slot's heads side by side,
+ * every query row of a head scored (or weighted) at once; the next block, or the next run's
+ * or task's first one, is prefetched meanwhile (they lie elsewhere in the pool). */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *k, const float *v, int64_t hs, int64_t ks, const int64_t *first,
+    const int64_t *count, int64_t num_runs, int NH, const int G, const int C, float scale,
+    float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
+    const int R = NH * G;
+    vf qs[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][VW];
+    float m[MAX_ROWS], s[MAX_ROWS], p[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY, s[r] = 0.f;
+        for (int c = 0; c < C; c++)
+            acc[r][c] = (vf){0}, qs[r][c] = loadv(q + (r * C + c) * VW) * scale;
+    }
+    const int64_t width = (NH - 1) * hs + C * VW; /* floats of one slot's heads */
+    for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
+    for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
+        int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
+        Prefetch pf = {k, v, ks, 0, 0, width, 0};
+        if (j0 + BLOCK < end)
+            pf.row = j0 + BLOCK, pf.end = end - j0 - BLOCK < BLOCK ? end : j0 + 2 * BLOCK;
+        else if (i + 1 < num_runs)
+            pf.row = first[i + 1],
+            pf.end = first[i + 1] + (count[i + 1] < BLOCK ? count[i + 1] : BLOCK);
+        else if (next_count > 0)
+            pf.row = next_slot, pf.end = next_slot + (next_count < BLOCK ? next_count : BLOCK);
+        for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
+            int nj = n - j1 < VW ? n - j1 : VW;
+            for (int j = 0; j < VW; j++) {
+                const float *kj = k + (j0 + j1 + (j < nj ? j : 0)) * ks;
+                for (int h = 0; h < NH; h++) {
+                    advance(&pf, 1);
+                    vf kv[MAX_CHUNKS];
+                    for (int c = 0; c < C; c++) kv[c] = loadv(kj + h * hs + c * VW);
+                    for (int g = 0; g < G; g++) {
+                        const int r = h * G + g;
+                        vf a = qs[r][0] * kv[0];
+                        for (int c = 1; c < C; c++) a += qs[r][c] * kv[c];
+                        part[r][j] = a;
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                vf x = reduce16(part[r]);
+                if (cap > 0.f) x = cap * vtanh(x * (1.f / cap)); /* soft-capped (Gemma 2) */
+                for (int j = nj; j < VW; j++) x[j] = -INFINITY;
+                storev(&p[r][j1], x);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            vf mv = loadv(p[r]);
+            for (int b = 1; b < nv; b++) mv = vmax(mv, loadv(p[r] + b * VW));
+            float mx = m[r];
+            for (int l = 0; l < VW; l++) mx = mv[l] > mx ? mv[l] : mx;
+            float corr = exp_neg(m[r] - mx);
+            vf sv = {0};
+            for (int b = 0; b < nv; b++) {
+                vf e = vexp_neg(loadv(p[r] + b * VW) - mx);
+                storev(p[r] + b * VW, e);
+                sv += e;
+            }
+            s[r] = s[r] * corr + hsum(sv), m[r] = mx;
+            if (corr != 1.f)
+                for (int c = 0; c < C; c++) acc[r][c] *= corr;
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vj = v + (j0 + j) * ks;
+            for (int h = 0; h < NH; h++) {
+                advance(&pf, 1);
+                vf vv[MAX_CHUNKS];
+                for (int c = 0; c < C; c++) vv[c] = loadv(vj + h * hs + c * VW);
+                for (int g = 0; g < G; g++) {
+                    const int r = h * G + g;
+                    for (int c = 0; c < C; c++) acc[r][c] += p[r][j] * vv[c];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float inv = s[r] > 0.f ? 1.f / s[r] : 0.f;
+        for (int c = 0; c < C; c++) storev(out + (r * C + c) * VW, acc[r][c] * inv);
+        lse[r] = s[r] > 0.f ? m[r] + logf(s[r]) : -INFINITY;
+    }
+}
+
+/* attend() instantiated for a group size and head_dim (and, with SHAPE_HEADS, a task's head
+ * count: its loops over heads unroll, and its accumulators and partial scores can live in
+ * registers; for SmolLM2-135M's 3 heads a task, 0.85x the hot time). */
+#define SHAPE_HEADS(GG, CC, NHH)                                                           \
+    if (G == GG && C == CC && (NHH == 0 || nh == NHH)) {                                   \
+        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs,               \
+               NHH ? NHH : nh, GG, CC, scale, cap, ot, lse + (b * Hkv + h0) * G,           \
+               next_slot, next_count);                                                     \
+        continue;                                                                          \
+    }
+#define SHAPE(GG, CC) SHAPE_HEADS(GG, CC, 0)
+
+typedef struct { int64_t cost, b, h0, nh; } Task;
+
+static int costlier_first(const void *x, const void *y) {
+    int64_t a = ((const Task *)x)->cost, b = ((const Task *)y)->cost;
+    return a < b ? 1 : a > b ? -1 : 0;
+}
+
+static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
+                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                           float *lse, int threads);
+
+/* Decode attention of B requests, one query token each, over keys read where they lie in
+ * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
+ * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
+ * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
+ * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
+ * when cap > 0; `threads` OpenMP threads. Returns 0, or -1 for shapes it does not take (D
+ * not a multiple of 16 or over 256, G over 8), -2 when out of memory. */
+int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                        const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                        int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                        float *lse, int threads) {
+    if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    return attention_tasks(q, q_stride, k, v, run_indptr, first, count, B, Hkv, G, D, scale, cap,
+                           out, lse, threads);
+}
+
+static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
+                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
+                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
+                           float *lse, int threads) {
+    const int C = D / VW;
+    int64_t total = 0;
+    for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
+    /* A request is one task (its keys stream through once) unless its keys are more than a
+     * thread's even share of the batch's: then one task per KV head, so that one long
+     * request beside short ones does not leave the other threads idle. Costliest first,
+     * handed out one at a time. */
+    Task *tasks = malloc(sizeof(Task) * ((size_t)B * Hkv + 1));
+    if (!tasks) return -2;
+    int64_t num_tasks = 0, share = total / (threads > 0 ? threads : 1);
+    int heads_per_task = MAX_ROWS / G < Hkv ? MAX_ROWS / G : Hkv;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t keys = 0;
+        for (int64_t r = run_indptr[b]; r < run_indptr[b + 1]; r++) keys += count[r];
+        int per = keys > share || B < threads ? 1 : heads_per_task;
+        for (int64_t h0 = 0; h0 < Hkv; h0 += per)
+            tasks[num_tasks++] = (Task){keys * (Hkv - h0 < per ? Hkv - h0 : per), b, h0,
+                                        Hkv - h0 < per ? Hkv - h0 : per};
+    }
+    qsort(tasks, num_tasks, sizeof(Task), costlier_first);
+    /* Each thread claims its next task when it starts one (dynamic scheduling, one ahead), so
+     * the task whose first keys it prefetches is the one it runs next. With OpenMP's dynamic
+     * schedule the next task in the list was mostly the other thread's, already running:
+     * 64 requests of 89 keys, 2 threads, pools cold, took 0.9x the time. */
+    int64_t claimed = 0;
+#pragma omp parallel num_threads(threads)
+    for (int64_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), after; i < num_tasks;
+         i = after) {
+        after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int64_t b = tasks[i].b, h0 = tasks[i].h0;
+        int nh = (int)tasks[i].nh;
+        int64_t runs = run_indptr[b], num_runs = run_indptr[b + 1] - runs;
+        int64_t next_slot = 0, next_count = 0; /* the next task's first keys, to prefetch */
+        if (after < num_tasks && tasks[after].b != b && tasks[after].h0 == h0) {
+            int64_t nb = tasks[after].b;
+            if (run_indptr[nb + 1] > run_indptr[nb])
+                next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
+        }
+        const float *qt = q + b * q_stride + h0 * G * D;
+        const float *kt = k + h0 * D, *vt = v + h0 * D;
+        float *ot = out + (b * Hkv + h0) * G * D;
+        SHAPE_HEADS(3, 4, 3) SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8)
+        SHAPE(2, 8) SHAPE(4, 8) SHAPE(7, 4) SHAPE(7, 8) SHAPE(8, 8)
+        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, scale, cap,
+               ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
+    }
+    free(tasks);
+    return 0;
+}
+
+/* hidden_out = x + residual (when residual is not NULL; else x is the input), then
+ * out = weight * (h * 1 / sqrt(mean(h^2) + eps)), row by row, the mean taken in double (in
+ * fp32 it moved SmolLM2's logits 1.2e-4 from float64 transformers on a test prompt, twice
+ * as far as torch's cascade sum did). x, residual: rows
+ * x_stride / r_stride floats apart; hidden_out, out contiguous (rows x dim). */
+void rf_rms_norm(const float *x, int64_t x_stride, const float *residual, int64_t r_stride,
+                 const float *weight, float eps, int64_t rows, int64_t dim, float *hidden_out,
+                 float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *hr = residual ? hidden_out + r * dim : NULL, *orow = out + r * dim;
+        vd sq[2] = {{0}, {0}}; /* the squares summed in double, lane by lane */
+        int64_t i = 0;
+        for (; i + VW <= dim; i += VW) {
+            vf h = loadv(xr + i);
+            if (hr) h += loadv(residual + r * r_stride + i), storev(hr + i, h);
+            for (int half = 0; half < 2; half++) {
+                vf8 part;
+                memcpy(&part, (const float *)&h + half * 8, sizeof part);
+                vd d = __builtin_convertvector(part, vd);
+                sq[half] += d * d; /* exact products: an FMA here rounds as the add alone */
+            }
+        }
+        double total = 0.0;
+        for (int l = 0; l < VW; l++) total += sq[l / 8][l % 8];
+        for (; i < dim; i++) {
+            float h = xr[i] + (hr ? residual[r * r_stride + i] : 0.f);
+            if (hr) hr[i] = h;
+            total += (double)h * h;
+        }
+        const float *src = hr ? hr : xr;
+        float inv = (float)(1.0 / sqrt(total / (double)dim + eps)); /* summed in double */
+        for (i = 0; i + VW <= dim; i += VW) storev(orow + i, loadv(weight + i) * (loadv(src + i) * inv));
+        for (; i < dim; i++) orow[i] = weight[i] * (src[i] * inv);
+    }
+}
+
+/* out = silu(gate) * up with gate, up the two halves of each row of gate_up (rows x 2 * inter,
+ * rows gu_stride floats apart); out contiguous (rows x inter). silu(g) = g * sigmoid(g), the
+ * sigmoid from exp(-|g|). */
+void rf_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t inter,
+                 float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * gu_stride, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + VW <= inter; i += VW) {
+            vf x = loadv(g + i);
+            vi neg = x < 0.f, sign = (vi){0} + INT32_MIN;
+            vf e = vexp_neg((vf)((vi)x | sign)); /* exp(-|x|): x with its sign bit set */
+            vf sig_pos = 1.f / (1.f + e), sig_neg = e / (1.f + e);
+            vf sig = (vf)(((vi)sig_neg & neg) | ((vi)sig_pos & ~neg));
+            storev(o + i, x * sig * loadv(u + i));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* One row's `heads` heads of D floats (x, out: heads D apart; out may be x): the first
+ * `rotary` dims rotate by c/s (rotary floats whose halves repeat), the rest are copied. */
+static inline void rope_row(const float *x, float *out, const float *c, const float *s,
+                            int64_t heads, int64_t D, int64_t rotary) {
+    const int64_t half = rotary / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const float *xh = x + h * D;
+        float *oh = out + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = xh[i], b = xh[half + i];
+            oh[i] = a * c[i] - b * s[i];
+            oh[half + i] = b * c[i] + a * s[i];
+        }
+        if (oh != xh)
+            for (int64_t i = rotary; i < D; i++) oh[i] = xh[i];
+    }
+}
+
+/* One row's keys and values (`width` floats each) into slot `slot` of the pools; returns 1
+ * (nothing stored) when the slot is outside [0, num_slots). */
+static inline int64_t store_row(float *k_pool, float *v_pool, int64_t num_slots, int64_t slot,
+                                const float *k, const float *v, int64_t width) {
+    if (slot < 0 || slot >= num_slots) return 1;
+    memcpy(k_pool + slot * width, k, width * sizeof(float));
+    memcpy(v_pool + slot * width, v, width * sizeof(float));
+    return 0;
+}
+
+/* Rotary embedding of T rows of `heads` heads (x: rows x_stride floats apart, heads D apart)
+ * into out (T, heads, D) contiguous: the first `rotary` dims of each head rotate by
+ * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
+ * With k_pool (not NULL), row t's last kv_heads heads of out (its keys, rotated) and its
+ * values (v: rows v_stride floats apart, kv_heads * D floats) are also stored at slot
+ * slots[t] of k_pool and v_pool (num_slots rows each), as rf_store_kv does: one pass where
+ * rope and the store were two calls. Returns the number of rows whose slot was out of range
+ * (those are not stored). */
+int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
+                int64_t heads, int64_t D, int64_t rotary, float *out, float *k_pool,
+                float *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
+                const float *v, int64_t v_stride, int threads) {
+    int64_t bad = 0, width = kv_heads * D;
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
+    reduction(+ : bad)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = out + t * heads * D;
+        rope_row(x + t * x_stride, row, cos + t * rotary, sin + t * rotary, heads, D, rotary);
+        if (k_pool)
+            bad += store_row(k_pool, v_pool, num_slots, slots[t], row + (heads - kv_heads) * D,
+                             v + t * v_stride, width);
+    }
+    return bad;
+}
+
+/* One decode step's attention of a layer from its fused qkv projection, in one call: qkv
+ * (B rows qkv_stride floats apart: Hkv * G query heads, Hkv key heads, Hkv value heads of D
+ * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
+ * does; each row's keys and values are stored at slots[b] of the pools (num_slots, Hkv, D),
+ * as rf_store_kv does; then the rotated queries attend as rf_decode_attention does (runs,
+ * scale, cap, out, lse the same). Returns 0; -1 for shapes the attention does not take
+ * (nothing is touched then); -2 out of memory; else the number of rows whose slot was out of
+ * range (nothing is attended then). */
+int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *cos,
+                                 const float *sin, int64_t rotary, float *k_pool, float *v_pool,
+                                 int64_t num_slots, const int64_t *slots,
+                                 const int64_t *run_indptr, const int64_t *first,
+                                 const int64_t *count, int B, int Hkv, int G, int D, float scale,
+                                 float cap, float *out, float *lse, int threads) {
+    if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (B * heads * D >= 32768) \
+    reduction(+ : bad)
+    for (int64_t b = 0; b < B; b++) {
+        float *row = qkv + b * qkv_stride;
+        rope_row(row, row, cos + b * rotary, sin + b * rotary, heads, D, rotary);
+        bad += store_row(k_pool, v_pool, num_slots, slots[b], row + (heads - Hkv) * D,
+                         row + heads * D, width);
+    }
+    if (bad) return bad;
+    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, run_indptr, first, count, B, Hkv, G,
+                           D, scale, cap, out, lse, threads);
+}
+
+/* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
+ * k and v pools of `num_slots` rows each; a slot out of range is skipped and counted. */
+int64_t rf_store_kv(float *k_pool, float *v_pool, int64_t num_slots, const int64_t *slots,
+                    const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
+                    int64_t width) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad += store_row(k_pool, v_pool, num_slots, slots[i], k + i * k_stride, v + i * v_stride,
+                         width);
+    return bad;
+}
+
+/* Each row's largest value and the index of its first occurrence (NaNs are passed over), for
+ * `rows` rows of `cols` floats, rows x_stride floats apart: what torch's max(dim=-1) gives
+ * for finite logits, in one vectorized pass instead of its scalar compare loop. */
+void rf_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t cols, float *top,
+               int64_t *index, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        vf best = (vf){0} - INFINITY;
+        vi at = (vi){0} - 1, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        int64_t i = 0;
+        for (; i + VW <= cols && i + VW <= INT32_MAX; i += VW) {
+            vf v = loadv(xr + i);
+            vi gt = v > best; /* strictly: the first occurrence stays */
+            best = (vf)(((vi)v & gt) | ((vi)best & ~gt));
+            at = ((lane + (int32_t)i) & gt) | (at & ~gt);
+        }
+        float m = -INFINITY;
+        int64_t where = -1;
+        for (int l = 0; l < VW; l++)
+            if (at[l] >= 0 && (best[l] > m || (best[l] == m && at[l] < where)))
+                m = best[l], where = at[l];
+        for (; i < cols; i++)
+            if (xr[i] > m) m = xr[i], where = i;
+        top[r] = m, index[r] = where < 0 ? 0 : where;
+    }
+}

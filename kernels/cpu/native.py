@@ -1,0 +1,365 @@
+"""Native CPU kernels (`kernels/cpu/native.c`), built at first use with the system C compiler and
+called through ctypes: decode attention over keys read in place, RMSNorm with its residual
+add, silu·up, rotary embedding, KV stores and the greedy argmax, each one pass over fp32
+tensors.
+
+Why: at 64 decode streams, torch's fused attention runs each (request, KV head) as tiny
+matmuls (3 query rows) and spent 515 us a layer at 85 keys where this loop takes 262 us
+(2 threads, SmolLM2's shapes); eager RMSNorm, rope and silu·up are 4-6 passes of small
+ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
+
+- Built once per machine into a cache directory (`RADIXFLOW_CACHE`, else ~/.cache/radixflow),
+  keyed by the source, the compiler, its flags and the CPU's flags (-march=native). A
+  missing compiler, a failed build or `RADIXFLOW_NATIVE=0` leaves `library()` None, and
+  every caller keeps its torch path: the torch ops stay the reference, and the tests
+  (tests/kernels/cpu/test_native.py) hold these to them.
+- Threads: linked against the OpenMP runtime torch has loaded (libgomp, found by its
+  soname), so both share one pool; each call passes torch's thread count. A torch without
+  libgomp gets a single-threaded build.
+- Every wrapper takes fp32 CPU tensors whose innermost dims are contiguous, and returns
+  None (the caller's cue to use torch) for anything else.
+- A decode-only step's rope, KV store and attention are one call
+  (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
+  Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURES = {  # name: (restype, argtypes)
+    "rf_decode_attention": (
+        _C,
+        [_P, _I, _P, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C],
+    ),
+    "rf_rms_norm": (None, [_P, _I, _P, _I, _P, _F, _I, _I, _P, _P, _C]),
+    "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
+    "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]),
+    "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I]),
+    "rf_rope_decode_attention": (
+        _I,
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C],
+    ),
+    "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
+}
+_state: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on the first call; None where they cannot be had."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _load()
+    return _state["lib"]
+
+
+def _openmp_flag() -> list[str]:
+    """-fopenmp where torch runs on libgomp (already mapped: our library binds to that copy
+    by soname), else OpenMP's simd pragmas only, single-threaded."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    return ["-fopenmp"] if "libgomp" in maps else ["-fopenmp-simd"]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("RADIXFLOW_NATIVE", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler found: native CPU kernels off, torch ops used")
+        return None
+    flags = FLAGS + _openmp_flag()
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
+        cpu = next((line for line in _cpuinfo() if line.startswith("flags")), "")
+        key = hashlib.sha256(
+            "\0".join([SOURCE.read_text(), compiler, version, *flags, cpu]).encode()
+        ).hexdigest()[:16]
+        root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
+        target = root / "native" / f"kernels-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                result = subprocess.run(
+                    [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                    capture_output=True, text=True, timeout=300,
+                )  # fmt: skip
+                if result.returncode != 0:
+                    log.warning("native CPU kernels failed to build: %s", result.stderr[-2000:])
+                    return None
+                os.replace(built, target)  # atomic: other processes see all of it or none
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable (%s): torch ops used", e)
+        return None
+    for name, (restype, argtypes) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    logit_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q (B, H, D) (rows any stride, heads contiguous) over pooled keys (num_slots, Hkv, D),
+    request b reading the runs run_indptr[b] .. run_indptr[b + 1] - 1 of consecutive slots
+    (first slot, count), `runs` = (run_indptr, first, count) -> out (B, H, D), lse (B, H);
+    a request with no runs gets zeros and lse -inf. `logit_cap` > 0 soft-caps the scaled
+    scores (cap * tanh(s / cap)), as the reference does. The torch twin is the gathering path
+    of cpu_attention (and reference.decode_attention the spec). None where not taken."""
+    lib = library()
+    b, h, d = q.shape
+    hkv = k_pool.shape[1]
+    if (
+        lib is None
+        or not _fits(q, k_pool, v_pool)
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or q.stride()[1:] != (d, 1)
+        or k_pool.shape[2] != d
+        or h % hkv
+    ):
+        return None
+    run_indptr, first, count = runs
+    out = torch.empty((b, h, d))
+    lse = torch.empty((b, h))
+    status = lib.rf_decode_attention(
+        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), run_indptr.data_ptr(),
+        first.data_ptr(), count.data_ptr(), b, hkv, h // hkv, d, scale, logit_cap, out.data_ptr(),
+        lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return (out, lse) if status == 0 else None
+
+
+def rope_decode_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    logit_cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's attention from its fused projection, in one call: `rope` with its
+    store, then `decode_attention`, on qkv (B, (H + 2 Hkv) * D) (rows any stride) whose query
+    and key heads are rotated in place (the caller's q is then qkv's first H heads). cos/sin
+    (B, 1, R) contiguous; k_pool, v_pool, slots, runs, scale, logit_cap as in those two.
+    -> (out (B, H, D), lse (B, H)); None (nothing touched) where not taken. Raises IndexError
+    for a slot outside the pool (keys then partly stored, nothing attended), MemoryError
+    when the kernel cannot allocate."""
+    lib = library()
+    b, hkv, d = qkv.shape[0], k_pool.shape[1], k_pool.shape[2]
+    if (
+        lib is None
+        or qkv.dim() != 2
+        or qkv.shape[1] != (num_heads + 2 * hkv) * d
+        or qkv.stride(1) != 1
+        or num_heads % hkv
+        or not _fits(qkv, cos, sin)
+        or not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel())
+        or cos.numel() != b * cos.shape[-1]
+        or not _fits(k_pool, v_pool)
+        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or k_pool.shape != v_pool.shape
+        or slots.dtype != torch.int64
+        or not slots.is_contiguous()
+        or len(slots) != b
+    ):
+        return None
+    out = torch.empty((b, num_heads, d))
+    lse = torch.empty((b, num_heads))
+    run_indptr, first, count = runs
+    status = lib.rf_rope_decode_attention(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+        run_indptr.data_ptr(), first.data_ptr(), count.data_ptr(), b, hkv, num_heads // hkv, d,
+        scale, logit_cap, out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status > 0:
+        raise IndexError(f"{status} of {b} slots outside the pool of {k_pool.shape[0]}")
+    if status == -2:  # qkv is rotated and the keys stored by now: no torch path can follow
+        raise MemoryError("native decode attention could not allocate its task list")
+    return (out, lse) if status == 0 else None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hidden, weight * RMSNorm(hidden)) for hidden = x + residual (x itself when residual
+    is None) over x's rows (T, dim); the torch twin is layers.rms_norm. None where not
+    taken."""
+    lib = library()
+    if lib is None or x.dim() != 2 or not _fits(x, weight) or x.stride(-1) != 1:
+        return None
+    if residual is not None and (
+        not _fits(residual) or residual.shape != x.shape or residual.stride(-1) != 1
+    ):
+        return None
+    rows, dim = x.shape
+    out = torch.empty((rows, dim))
+    hidden = torch.empty((rows, dim)) if residual is not None else x
+    lib.rf_rms_norm(
+        x.data_ptr(), x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.contiguous().data_ptr(), eps, rows, dim,
+        None if residual is None else hidden.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return hidden, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of gate_up (T, 2 * inter), its two halves; None where not taken."""
+    lib = library()
+    if lib is None or gate_up.dim() != 2 or not _fits(gate_up) or gate_up.stride(-1) != 1:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter))
+    lib.rf_silu_mul(
+        gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """`layers.rope_qk`: x (T, heads, D) (rows any stride, heads contiguous) rotated by cos
+    and sin (T, 1, R) -> (T, heads, D) contiguous; None where not taken. With `store` =
+    (k_pool, v_pool, slots, v), the rotated keys (the last Hkv heads of each row, Hkv the
+    pools' heads) and v (T, Hkv, D) are also written at `slots` of the pools, as `store_kv`
+    does, in the same pass; None (nothing stored) where that is not taken. Raises IndexError
+    for a slot outside the pool."""
+    lib = library()
+    t, heads, d = x.shape
+    if lib is None or not _fits(x, cos, sin) or x.stride()[1:] != (d, 1):
+        return None
+    k_pool = v_pool = slots = v = None
+    if store is not None:
+        k_pool, v_pool, slots, v = store
+        if not _store_fits(k_pool, v_pool, slots, v) or k_pool.shape[1] > heads:
+            return None
+    rotary = cos.shape[-1]
+    cos, sin = cos.reshape(t, rotary).contiguous(), sin.reshape(t, rotary).contiguous()
+    out = torch.empty((t, heads, d))
+    bad = lib.rf_rope(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d, rotary,
+        out.data_ptr(),
+        *((None, None, 0, None, 0, None, 0) if store is None else (
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+            k_pool.shape[1], v.data_ptr(), v.stride(0),
+        )),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"{bad} of {t} slots outside the pool of {k_pool.shape[0]}")
+    return out
+
+
+def _store_fits(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Whether the native store takes these: fp32 contiguous pools (num_slots, Hkv, D) of one
+    shape, int64 contiguous slots, one per row of v (rows any stride, heads contiguous)."""
+    return (
+        _fits(k_pool, v_pool, v)
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and k_pool.shape == v_pool.shape
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and len(slots) == v.shape[0]
+        and v.shape[1:] == k_pool.shape[1:]
+        and v.stride()[1:] == (v.shape[2], 1)
+    )
+
+
+def store_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> bool:
+    """`reference.store_kv` (rows (n, Hkv, D) into pools (num_slots, Hkv, D) at slots) as
+    one copy loop; False where not taken. Raises IndexError for a slot outside the pool."""
+    lib = library()
+    if (
+        lib is None
+        or not _store_fits(k_pool, v_pool, slots, v)
+        or k.shape != v.shape
+        or not _fits(k)
+        or k.stride()[1:] != (k.shape[2], 1)
+    ):
+        return False
+    width = k_pool.shape[1] * k_pool.shape[2]
+    bad = lib.rf_store_kv(
+        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), len(slots), width,
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"{bad} of {len(slots)} slots outside the pool of {k_pool.shape[0]}")
+    return True
+
+
+def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, indices) of each row's maximum of (S, V) fp32 logits, the first index on
+    ties: `logits.max(dim=-1)` in one pass (torch's took 3 ms for 64 x 49152 on 2 threads).
+    None where not taken."""
+    lib = library()
+    if lib is None or logits.dim() != 2 or not _fits(logits) or logits.stride(-1) != 1:
+        return None
+    rows, cols = logits.shape
+    top = torch.empty(rows)
+    index = torch.empty(rows, dtype=torch.int64)
+    lib.rf_argmax(
+        logits.data_ptr(), logits.stride(0), rows, cols, top.data_ptr(), index.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return top, index

@@ -1,0 +1,189 @@
+"""ModelRunner: the one place where a batch plan becomes tensors.
+
+plan (numpy) -> tensors -> copy-on-write KV copies -> forward -> sample -> StepResult.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from radixflow.kernels import AttentionOps, get_ops
+from radixflow.kernels.cpu import decode_loop
+from radixflow.runtime import models
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
+from radixflow.runtime.model_executor.sampler import sample
+from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
+from radixflow.runtime.models.layers import CausalLM, ModelConfig
+from radixflow.runtime.models.loader import load_hf_config, weight_files
+from radixflow.runtime.models.prepack import prepack
+from radixflow.runtime.protocol.plan import BatchPlan, StepResult
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: Path, config: ServerConfig, device: torch.device, dtype: torch.dtype
+) -> CausalLM:
+    """Build the family's decoder from `model_dir` (config.json + safetensors shards) and
+    load its weights. Raises UnsupportedModelError (architecture, option or attention
+    backend) or CheckpointError (missing, unexpected or misshapen weights)."""
+    model_config = models.model_config(load_hf_config(model_dir))
+    model = CausalLM(model_config, pick_ops(config.attention_backend, device, model_config))
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(model_dir):
+        state.update(load_file(str(file)))
+    model.load_hf_state_dict(state)
+    model = model.to(device=device, dtype=dtype).eval()
+    if not config.disable_cpu_weight_prepack:
+        prepack(model, config.cpu_matmul)
+    if not config.disable_cpu_decode_loop:
+        model.decode_loop = decode_loop.build(model)  # None where the model does not qualify
+    return model
+
+
+def pick_ops(backend: str, device: torch.device, model_config: ModelConfig) -> AttentionOps:
+    """`get_ops`, unless the model needs an attention feature (sliding window, soft-capped
+    scores) the chosen ops do not take: then `auto` falls back to the torch ops, and an
+    explicitly named backend is refused."""
+    needs = [
+        name
+        for name, used in (
+            ("sliding_window", any(model_config.layer_windows)),
+            ("logit_cap", bool(model_config.attn_logit_cap)),
+        )
+        if used
+    ]
+    ops = get_ops(backend, device)
+    lacking = [name for name in needs if not _takes(ops, name)]
+    if lacking and backend == "auto":
+        log.warning("%s attention lacks %s: using the torch ops", ops.name, lacking)
+        ops = get_ops("torch", device)
+        lacking = [name for name in needs if not _takes(ops, name)]
+    if lacking:
+        raise models.UnsupportedModelError(
+            f"{model_config.architecture} needs attention with {lacking}, which the "
+            f"{ops.name!r} backend does not implement; try --attention-backend auto"
+        )
+    return ops
+
+
+def _takes(ops: AttentionOps, keyword: str) -> bool:
+    """Whether every op that needs `keyword` takes it: both attentions, and for a sliding
+    window also the layout builders (the window decides which keys a layout gathers)."""
+    functions = [ops.extend_attention, ops.decode_attention]
+    if keyword == "sliding_window":
+        functions += [f for f in (ops.prepare_extend, ops.prepare_decode) if f is not None]
+    return all(keyword in inspect.signature(f).parameters for f in functions)
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache. Masked reads of slots never written (the padded slot 0, the
+    CPU decode's grid view past a request's own keys) must be finite: 0 * NaN would leak
+    through the mask. On CPU the zeros come from calloc (numpy), so pages the pool never
+    touches cost no memory, as with torch.empty; bfloat16 goes through uint16 storage."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    storage = {torch.bfloat16: np.uint16}.get(dtype)
+    if storage is None:
+        return torch.from_numpy(np.zeros(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype))
+    return torch.from_numpy(np.zeros(shape, dtype=storage)).view(dtype)
+
+
+class ModelRunner:
+    """`cuda_graph_max_bs` > 0 replays decode steps from CUDA graphs
+    (runtime/model_executor/cuda_graph.py;
+    `graph_backend` "record" is its CPU stand-in for tests); `shared_prefix` False is the
+    Triton ablation that reads every key per request."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_slots: int,
+        seed: int = 0,
+        *,
+        shared_prefix: bool = True,
+        cuda_graph_max_bs: int = 0,
+        max_kv_len: int = 0,
+        graph_backend: str = "cuda",
+        prefault: bool = False,
+    ) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        c = model.config
+        shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
+        self.k_caches = zeroed_cache(shape, self.dtype, self.device)
+        self.v_caches = zeroed_cache(shape, self.dtype, self.device)
+        # each layer's pool as a view, made once: indexing the stacked pool per layer and step
+        # was 2 select ops a layer (60 a step for SmolLM2), each dispatched through torch
+        self.k_layers, self.v_layers = self.k_caches.unbind(0), self.v_caches.unbind(0)
+        if prefault and self.device.type == "cpu":
+            # Writing every page now commits the pool's memory at start, as a GPU pool's is.
+            # Left to the first writes, each fresh page faults inside a serving step: on this
+            # project's VM, a fresh engine's 64-stream pass spent 0.71-0.81 s of its 20 s in
+            # KV stores, 0.27-0.30 s with the pool written first.
+            self.k_caches.zero_()
+            self.v_caches.zero_()
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.vocab_size = c.vocab_size
+        self.inputs = StepInputs(model, shared_prefix)
+        self.graphs = None
+        if cuda_graph_max_bs:
+            self.graphs = DecodeGraphs(
+                model, self.k_caches, self.v_caches, cuda_graph_max_bs,
+                max_kv_len or num_slots, shared_prefix, graph_backend,
+            )  # fmt: skip
+
+    def forward(self, plan: BatchPlan) -> StepResult:
+        if len(plan.copy_src):
+            src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
+            self.k_caches[:, dst] = self.k_caches[:, src]
+            self.v_caches[:, dst] = self.v_caches[:, src]
+        with torch.inference_mode():
+            logits = self.graphs.replay(plan) if self.graphs is not None else None
+            if logits is None:
+                batch = self.inputs.forward_batch(plan)
+                logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32
+            return self._postprocess(logits, plan)
+
+    def _postprocess(self, logits: torch.Tensor, plan: BatchPlan) -> StepResult:
+        has = plan.logprob_targets >= 0  # (R,) host-side: no device sync to decide
+        target_logprobs = np.full(len(plan.logit_rows), np.nan)
+        top_values = top_ids = None
+        if has.any() or plan.top_logprobs_num:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            if has.any():
+                wanted = [np.flatnonzero(has), plan.logprob_targets[has]]
+                rows, targets = upload_int64(wanted, self.device)
+                target_logprobs[has] = logprobs[rows, targets].cpu().numpy()
+            if plan.top_logprobs_num:
+                values, ids = logprobs.topk(plan.top_logprobs_num, dim=-1)
+                top_values, top_ids = values.cpu().numpy(), ids.cpu().numpy()
+        next_ids: list[int] = []
+        next_logprobs: list[float] = []
+        if len(plan.sample_rows):
+            every_row = np.array_equal(plan.sample_rows, np.arange(len(logits)))
+            if not every_row:
+                logits = logits[upload_int64([plan.sample_rows], self.device)[0]]
+            next_ids, next_logprobs = sample(logits, plan, self.generator)
+        return StepResult(next_ids, next_logprobs, target_logprobs, top_values, top_ids)

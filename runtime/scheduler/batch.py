@@ -1,0 +1,150 @@
+"""Building a step's BatchPlan from the requests the scheduler chose (torch-free); the plan
+itself is the scheduler's contract with the model executor (radixflow.runtime.protocol.plan).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from radixflow.runtime.protocol.plan import I64, BatchPlan
+
+if TYPE_CHECKING:
+    from radixflow.runtime.scheduler.request import Req
+
+
+def build_plan(
+    extends: list[Req],
+    decodes: list[Req],
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+    verifies: list[Req] | None = None,
+) -> tuple[BatchPlan, list[Req]]:
+    """The step's flat ragged batch: extend rows (each request's new tokens, after its
+    cached prefix), then the verify rows of speculating requests (their last token and
+    drafts, a logit row each), then one row per decode. Returns the plan and the requests
+    that sample once, in sample-row order; the verify rows sample after them, request by
+    request, 1 + len(draft_ids) rows each. Consumes each extend's pending copy-on-write."""
+    input_ids, positions, out_slots = [], [], []
+    qo, kv, kv_indices = [0], [0], []
+    logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
+    copy_src, copy_dst = [], []
+    row = 0
+    for req in extends:
+        start, end = req.kv_len, req.extend_target
+        fill = req.fill_ids
+        input_ids.append(fill[start:end])
+        positions.append(np.arange(start, end, dtype=I64))
+        out_slots.append(req.slots[start:end])
+        kv_indices.append(req.slots[:start])
+        qo.append(qo[-1] + end - start)
+        kv.append(kv[-1] + start)
+        if req.copy_src is not None:
+            copy_src.append(req.copy_src)
+            copy_dst.append(req.copy_dst)
+            req.copy_src = None
+        for p in req.input_logprob_positions(start, end):
+            logit_rows.append(row + p - start)
+            targets.append(req.input_ids[p + 1])
+        if end == req.seq_len and req.remaining_new_tokens() > 0:
+            sample_rows.append(len(logit_rows))
+            logit_rows.append(row + end - 1 - start)
+            targets.append(-1)
+            sample_reqs.append(req)
+        row += end - start
+    verify_rows = []
+    for req in verifies or []:
+        start, ids = req.kv_len, [req.output_ids[-1], *req.draft_ids]
+        input_ids.append(ids)
+        positions.append(np.arange(start, start + len(ids), dtype=I64))
+        out_slots.append(req.slots[start : start + len(ids)])
+        kv_indices.append(req.slots[:start])
+        qo.append(qo[-1] + len(ids))
+        kv.append(kv[-1] + start)
+        verify_rows += range(len(logit_rows), len(logit_rows) + len(ids))
+        logit_rows += range(row, row + len(ids))
+        targets += [-1] * len(ids)
+        row += len(ids)
+    num_extend = row
+    dkv, dkv_indices = [0], []
+    for req in decodes:
+        slot = int(req.slots[req.kv_len])
+        input_ids.append([req.output_ids[-1]])
+        positions.append(np.array([req.kv_len], dtype=I64))
+        out_slots.append(np.array([slot], dtype=I64))
+        dkv_indices.append(req.slots[: req.kv_len + 1])
+        dkv.append(dkv[-1] + req.kv_len + 1)
+        sample_rows.append(len(logit_rows))
+        logit_rows.append(row)
+        targets.append(-1)
+        sample_reqs.append(req)
+        row += 1
+    cat = lambda parts: (
+        np.concatenate([np.asarray(p, dtype=I64) for p in parts]) if parts else np.zeros(0, I64)
+    )
+    plan = BatchPlan(
+        input_ids=cat(input_ids),
+        positions=cat(positions),
+        out_slots=cat(out_slots),
+        num_extend_tokens=num_extend,
+        extend_qo_indptr=np.asarray(qo, I64),
+        extend_kv_indptr=np.asarray(kv, I64),
+        extend_kv_indices=cat(kv_indices),
+        decode_kv_indptr=np.asarray(dkv, I64),
+        decode_kv_indices=cat(dkv_indices),
+        logit_rows=np.asarray(logit_rows, I64),
+        logprob_targets=np.asarray(targets, I64),
+        sample_rows=np.asarray(sample_rows + verify_rows, I64),
+        copy_src=cat(copy_src),
+        copy_dst=cat(copy_dst),
+    )
+    # verify row j samples as a decode would after the first j drafts were accepted
+    rows = [(r, 0) for r in sample_reqs]
+    rows += [(r, j) for r in verifies or [] for j in range(1 + len(r.draft_ids))]
+    _fill_sampling(plan, rows, extends, vocab_size, eos_token_ids)
+    return plan, sample_reqs
+
+
+def _fill_sampling(
+    plan: BatchPlan,
+    rows: list[tuple[Req, int]],
+    extends: list[Req],
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+) -> None:
+    """Per sample row (request, drafts ahead of it): parameters, seed, penalty history,
+    bans and grammar mask of the position len(output_ids) + drafts."""
+    plan.sampling = [r.sampling for r, _ in rows]
+    plan.sample_seeds = [
+        None
+        if r.sampling.seed is None
+        else (r.sampling.seed * 1_000_003 + len(r.output_ids) + j) % 2**63
+        for r, j in rows
+    ]
+    plan.output_ids = [r.output_ids + r.draft_ids[:j] if j else r.output_ids for r, j in rows]
+    plan.banned_ids = [_banned(r, j, eos_token_ids) for r, j in rows]
+    plan.sampled_logprobs = any(r.return_logprob for r, _ in rows)
+    plan.top_logprobs_num = max(
+        (r.top_logprobs_num for r in extends + [r for r, _ in rows] if r.return_logprob),
+        default=0,
+    )
+    if any(r.grammar is not None for r, _ in rows):
+        words = (vocab_size + 31) // 32
+        masks = np.full((len(rows), words), -1, dtype=np.int32)
+        for i, (req, j) in enumerate(rows):
+            if req.grammar is None:
+                continue
+            masks[i] = 0
+            if req.draft_ids:  # speculative.Speculator built the verify rows' masks
+                masks[i] = req.spec.masks[j]
+            else:
+                req.grammar.fill_mask(masks[i])
+        plan.vocab_masks = masks
+
+
+def _banned(req: Req, ahead: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Ending tokens are banned until min_new_tokens outputs exist (`ahead` drafts count)."""
+    if len(req.output_ids) + ahead >= req.sampling.min_new_tokens:
+        return ()
+    return eos_token_ids + req.sampling.stop_token_ids

@@ -1,0 +1,204 @@
+"""The server's scheduler process: one loop that drains messages, steps and sends updates.
+
+    python -m radixflow.runtime scheduler --ipc-dir DIR --parent-pid PID --config-json JSON
+
+The server (runtime/server/server.py) spawns it; the protocol between them is in messages.py. The
+scheduler and model are wired exactly as for the offline Engine (`engine.build_scheduler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.engine import build_scheduler
+from radixflow.runtime.protocol.messages import (
+    TO_SCHEDULER,
+    AbortRequests,
+    AddRequests,
+    Flush,
+    FlushDone,
+    ReqSpec,
+    RequestUpdates,
+    ReqUpdate,
+    SchedulerReady,
+    SchedulerStats,
+    Shutdown,
+)
+from radixflow.runtime.protocol.transport import IpcAddresses, PullQueue, PushQueue, remove_ipc_dir
+from radixflow.runtime.scheduler.request import Req
+
+log = logging.getLogger("radixflow.scheduler")
+IDLE_WAIT_MS = 500  # the idle scheduler wakes this often to see whether its server lives
+STATS_INTERVAL_S = 0.25  # stats from a busy scheduler at most this often
+
+
+class SchedulerLoop:
+    """The scheduler process's one loop: drain messages (blocking only when idle), step, send
+    updates (stream requests every step, others when finished) and stats."""
+
+    def __init__(
+        self,
+        scheduler: Any,
+        inbox: PullQueue[Any],
+        outbox: PushQueue[Any],
+        parent_pid: int,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        self.scheduler, self.inbox, self.outbox = scheduler, inbox, outbox
+        self.parent_pid = parent_pid
+        self.check = check  # tensor parallel: raises once a rank is gone (this process exits)
+        self.live: dict[str, Req] = {}
+        self.sent: dict[str, int] = {}  # output ids already sent, by rid
+        self.touched: list[Req] = []
+        self.dirty = True
+        self.last_stats = 0.0
+
+    def run(self) -> bool:
+        """Until a Shutdown message (returns False), or the server process is gone (True)."""
+        while os.getppid() == self.parent_pid:
+            if self.check is not None:
+                self.check()
+            messages = self.inbox.drain(0 if self.scheduler.has_work else IDLE_WAIT_MS)
+            if any(isinstance(m, Shutdown) for m in messages):
+                return False
+            for msg in messages:
+                self._handle(msg)
+            if self.scheduler.has_work:
+                self.touched += self.scheduler.step()
+                self.dirty = True
+            self._send_updates()
+            self._send_stats()
+        log.error("the server process is gone; the scheduler exits")
+        return True
+
+    def _handle(self, msg: Any) -> None:
+        self.dirty = True
+        if isinstance(msg, AddRequests):
+            for spec in msg.reqs:
+                self._add(spec)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.rids:
+                req = self.scheduler.abort(rid, msg.message)
+                if req is not None:
+                    self.touched.append(req)
+        elif isinstance(msg, Flush):
+            self.outbox.put(FlushDone(msg.rid, self.scheduler.tree.flush()))
+
+    def _add(self, spec: ReqSpec) -> None:
+        req = Req(
+            rid=spec.rid,
+            input_ids=spec.input_ids,
+            sampling=spec.sampling,
+            return_logprob=spec.return_logprob,
+            logprob_start_len=spec.logprob_start_len,
+            top_logprobs_num=spec.top_logprobs_num,
+            stream=spec.stream,
+        )
+        self.live[req.rid] = req
+        self.scheduler.add_request(req)
+        if req.finished:  # refused at once (too long for the pool, no grammar backend)
+            self.touched.append(req)
+
+    def _send_updates(self) -> None:
+        self.touched += [req for req in self.live.values() if req.finished]  # none is missed
+        updates: list[ReqUpdate] = []
+        for req in self.touched:
+            update = self._update(req) if req.rid in self.live else None
+            if update is not None:
+                updates.append(update)
+        self.touched = []
+        if any(update.finished for update in updates):
+            # Stats first: a client that reads them after its final reply sees its request.
+            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
+            self.last_stats = time.monotonic()
+        if updates:
+            self.outbox.put(RequestUpdates(updates))
+
+    def _update(self, req: Req) -> ReqUpdate | None:
+        sent = self.sent.get(req.rid, 0)
+        if not req.finished and (not req.stream or len(req.output_ids) == sent):
+            return None
+        new = {
+            "new_ids": req.output_ids[sent:],
+            "new_logprobs": req.output_logprobs[sent:],
+            "new_top_logprobs": req.output_top_logprobs[sent:],
+        }
+        if not req.finished:
+            self.sent[req.rid] = len(req.output_ids)
+            return ReqUpdate(req.rid, **new, meta_info=_progress_meta(req))
+        del self.live[req.rid]
+        self.sent.pop(req.rid, None)
+        return ReqUpdate(
+            req.rid,
+            **new,
+            meta_info=req.meta_info(),
+            finished=True,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            input_logprobs=req.input_logprobs,
+            input_top_logprobs=req.input_top_logprobs,
+        )
+
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        if not self.scheduler.has_work:
+            if self.dirty:
+                self.outbox.put(SchedulerStats(self.scheduler.stats(), self._idle_check()))
+                self.dirty, self.last_stats = False, now
+        elif now - self.last_stats >= STATS_INTERVAL_S:
+            self.outbox.put(SchedulerStats(self.scheduler.stats(), None))
+            self.last_stats = now
+
+    def _idle_check(self) -> str:
+        """The leak check at idle: every slot is free or in the tree, no lock is held."""
+        try:
+            self.scheduler.check_invariants()
+        except AssertionError as e:
+            log.error("idle check failed: %s", e)
+            return f"failed: {e}"
+        return "ok"
+
+
+def _progress_meta(req: Req) -> dict[str, Any]:
+    """The counts of a running request (cheap, unlike the final `meta_info()`)."""
+    return {
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": max(req.cached_tokens, 0),
+        "finish_reason": None,
+    }
+
+
+def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int) -> None:
+    """The scheduler process: load the model, say ready, loop until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server decides
+    ctx = zmq.Context()
+    inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
+    outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
+    bundle = build_scheduler(config)
+    tp = bundle.loaded.tp
+    outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
+    stopped = False  # told to stop, or orphaned: the other ranks stop too
+    try:
+        loop = SchedulerLoop(
+            bundle.scheduler, inbox, outbox, parent_pid, tp.check if tp is not None else None
+        )
+        if loop.run():
+            remove_ipc_dir(addresses)  # nobody else will
+        stopped = True
+    finally:
+        if bundle.scheduler.grammars is not None:
+            bundle.scheduler.grammars.shutdown()
+        if tp is not None:
+            tp.close(stop=stopped)
+        inbox.close()
+        outbox.close()
+        ctx.term()

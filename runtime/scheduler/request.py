@@ -1,0 +1,177 @@
+"""Req: one sequence's state inside the scheduler (torch-free).
+
+Slot ownership of a request (positions 0 .. kv_len-1 have KV):
+  * `slots[:prefix_len]` belong to the radix tree and are protected by the lock on `last_node`;
+  * the rest live in `own_pages`, pages this request allocated and holds one reference on.
+The last sampled token has no KV yet: it is the input of the next decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from radixflow.runtime.cache.radix_cache import Node
+from radixflow.runtime.protocol.sampling import SamplingParams
+
+
+class ReqState(Enum):
+    GRAMMAR = "grammar"  # waiting for its grammar to compile
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output logprobs only
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+
+    # KV bookkeeping
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: Node | None = None
+    own_pages: list[int] = field(default_factory=list)
+    extend_target: int = 0  # kv_len this step's extend will reach
+    copy_src: np.ndarray | None = None  # copy-on-write of a shared partial page, next forward
+    copy_dst: np.ndarray | None = None
+
+    # scheduling
+    arrival: float = field(default_factory=time.monotonic)
+    arrival_step: int = 0
+    num_preemptions: int = 0
+    cached_tokens: int = -1  # set once, at first admission
+    grammar: Any = None  # a constraints.Grammar while constrained
+    draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
+    spec: Any = None  # speculative.DraftState once drafting has looked at this request
+
+    # results
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs_done: bool = False
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence: prompt then output."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def max_prefix_len(self) -> int:
+        """Longest prefix that may come from the cache: at least one token is computed, and
+        every position whose input logprob is wanted is recomputed."""
+        cap = self.seq_len - 1
+        if self.wants_input_logprobs and not self.input_logprobs_done:
+            cap = min(cap, max(self.logprob_start_len, 1) - 1)
+        return max(cap, 0)
+
+    def input_logprob_positions(self, start: int, end: int) -> range:
+        """Positions p in [start, end) whose logits give the logprob of input token p + 1."""
+        if not self.wants_input_logprobs or self.input_logprobs_done:
+            return range(0)
+        first = max(self.logprob_start_len, 1) - 1
+        return range(max(start, first), min(end, len(self.input_ids) - 1))
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+
+    def append_token(
+        self, token: int, logprob: float, now: float, eos_token_ids: tuple[int, ...]
+    ) -> dict[str, Any] | None:
+        """Record a sampled token and advance the grammar; return a finish reason if the
+        token itself ends the request (EOS, a stop id, a grammar that rejects it)."""
+        self.output_ids.append(token)
+        if self.return_logprob:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        params = self.sampling
+        min_done = len(self.output_ids) >= params.min_new_tokens
+        if token in eos_token_ids:
+            # ignore_eos never overrides a grammar: EOS is only sampled where it may end
+            if min_done and (not params.ignore_eos or self.grammar is not None):
+                return {"type": "stop", "matched": token}
+            return None
+        if self.grammar is not None:
+            try:
+                self.grammar.accept(token)
+            except ValueError as e:
+                return {"type": "abort", "message": f"grammar rejected token {token}: {e}"}
+        if token in params.stop_token_ids and min_done:
+            return {"type": "stop", "matched": token}
+        return None
+
+    def stop_reason(
+        self, context_len: int, decode: Callable[[list[int]], str]
+    ) -> dict[str, Any] | None:
+        """Finish reason after the last token: grammar complete, length, or a stop string in
+        the decoded tail (`decode` turns ids into text)."""
+        params = self.sampling
+        if self.grammar is not None and self.grammar.is_terminated():
+            return {"type": "stop", "matched": "grammar"}
+        if len(self.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if self.seq_len >= context_len:
+            return {"type": "length", "length": len(self.output_ids)}
+        if params.stop and len(self.output_ids) >= params.min_new_tokens:
+            tail = decode(self.output_ids[-(max(len(s) for s in params.stop) + 8) :])
+            for stop in params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None
+
+    def set_slots(self, position: int, slots: np.ndarray) -> None:
+        """Write `slots` for positions position.. and grow the table as needed."""
+        end = position + len(slots)
+        if end > len(self.slots):
+            grown = np.zeros(max(end, 2 * len(self.slots), 64), dtype=np.int64)
+            grown[: len(self.slots)] = self.slots
+            self.slots = grown
+        self.slots[position:end] = slots
+
+    def meta_info(self) -> dict[str, Any]:
+        itl = np.diff(self.token_times) if len(self.token_times) > 1 else np.zeros(0)
+        return {
+            "id": self.rid,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": max(self.cached_tokens, 0),
+            "finish_reason": self.finish_reason,
+            "num_preemptions": self.num_preemptions,
+            "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
+            "itl_mean": float(itl.mean()) if itl.size else None,
+            "itl_max": float(itl.max()) if itl.size else None,
+            "e2e_latency": time.monotonic() - self.arrival,
+        }

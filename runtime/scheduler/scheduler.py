@@ -1,0 +1,590 @@
+"""Scheduler: admission, cache-aware ordering, chunked prefill, preemption (torch-free).
+
+One `step()` = poll grammars, make room for the running decodes (evict, else preempt),
+continue the chunked request, admit waiting requests in policy order within the KV and token
+budgets, run one forward pass for the whole ragged batch, then postprocess (append tokens,
+check stops, insert computed KV into the radix tree, release finished requests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from radixflow.runtime.cache.kv_pool import KVPool, run_hint
+from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
+from radixflow.runtime.scheduler.batch import build_plan
+from radixflow.runtime.scheduler.invariants import check_ownership
+from radixflow.runtime.scheduler.policy import order_waiting, shares_uncached
+from radixflow.runtime.scheduler.request import Req, ReqState
+from radixflow.runtime.scheduler.speculative import Speculator
+from radixflow.runtime.scheduler.stats import SchedulerStats
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+CLIP_MAX_NEW_TOKENS = 4096
+RETRACT_HEADROOM_STEPS = 20
+# A cached prefix this short is copied into the request's own run: one contiguous run per
+# request decodes faster (kernels/cpu/grid.py) than a few keys read from elsewhere.
+COPY_PREFIX_BELOW = 16
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def forward(self, plan: BatchPlan) -> StepResult: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ServerConfig,
+        runner: Runner,
+        pool: KVPool,
+        *,
+        eos_token_ids: tuple[int, ...],
+        context_len: int,
+        vocab_size: int,
+        decode: Callable[[list[int]], str],
+        grammars: Any = None,
+        encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
+        clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.decode = decode
+        self.grammars = grammars
+        self.pool = pool
+        self.tree = RadixCache(self.pool, disabled=config.disable_radix_cache)
+        self.grammar_queue: list[Req] = []
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.step_count = 0
+        self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
+        self.spec = Speculator(config, eos_token_ids, encode)
+        self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio = self.init_ratio
+        self.counters = dict.fromkeys(
+            (
+                "prefill_tokens_computed",
+                "prompt_tokens",
+                "cached_tokens",
+                "decode_tokens",
+                "preemptions",
+                "finished_requests",
+                "aborted_requests",
+                "forward_steps",
+            ),
+            0,
+        )
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue a request; an impossible one finishes at once with an error."""
+        req.arrival_step = self.step_count
+        self.metrics.arrived(req)
+        problem = self._check_fits(req)
+        if problem:
+            self._fail(req, problem)
+            return
+        key = req.sampling.grammar_key
+        if key is not None:
+            if self.grammars is None:
+                self._fail(req, "constrained decoding is not available in this runtime")
+                return
+            self.grammars.submit(key)
+            req.state = ReqState.GRAMMAR
+            self.grammar_queue.append(req)
+        else:
+            req.state = ReqState.WAITING
+            self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        """Finish `rid` wherever it is (idempotent; unknown rids return None)."""
+        for queue in (self.grammar_queue, self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, {"type": "abort", "message": message})
+                    self.counters["aborted_requests"] += 1
+                    return req
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            self._finish(req, {"type": "abort", "message": message})
+            self.counters["aborted_requests"] += 1
+            return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.grammar_queue or self.waiting or self.running or self.chunked)
+
+    def live_requests(self) -> list[Req]:
+        chunked = [self.chunked] if self.chunked else []
+        return self.grammar_queue + self.waiting + self.running + chunked
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Run one scheduling step; return the requests that progressed or finished."""
+        self.step_count += 1
+        start = self.clock()
+        updated = self._poll_grammars()
+        updated += self._make_decode_room()
+        spare = self.pool.num_free_pages - self._decode_pages_needed()
+        verifies = self.spec.propose(self.running, spare, self.pool.page_size, self.context_len)
+        decodes = [r for r in self.running if not r.draft_ids]
+        for req in decodes:  # before admission, so prefills cannot take the decodes' pages
+            self._alloc_decode_slot(req)
+        for req in verifies:  # the last token and the drafts, in `spare` pages
+            self._grow(req, 1 + len(req.draft_ids))
+        extends = self._admit()
+        if not decodes and not extends and not verifies:
+            if not self.has_work:
+                self.new_token_ratio = self.init_ratio
+            return updated
+        try:
+            plan, sample_reqs = build_plan(
+                extends, decodes, self.vocab_size, self.eos_token_ids, verifies
+            )
+            result = self.runner.forward(plan)
+            self.counters["forward_steps"] += 1
+            updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+            self.metrics.stepped(self, plan, extends, start)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
+            log.exception("step %d failed; its requests get an error", self.step_count)
+            message = f"internal error in this step: {e!r}"
+            updated += self._fail_batch(extends + decodes + verifies, message)
+        if self.config.self_check:
+            self.check_invariants()
+        return updated
+
+    # ---- grammar queue ---------------------------------------------------------------------
+
+    def _poll_grammars(self) -> list[Req]:
+        failed = []
+        for req in list(self.grammar_queue):
+            ready = self.grammars.poll(req.sampling.grammar_key)
+            if ready is None:
+                continue
+            self.grammar_queue.remove(req)
+            if isinstance(ready, Exception):
+                self._fail(req, f"invalid grammar: {ready}")
+                failed.append(req)
+            else:
+                req.grammar = ready
+                req.state = ReqState.WAITING
+                self.waiting.append(req)
+        return failed
+
+    # ---- memory for decodes: evict, else preempt -------------------------------------------
+
+    def _decode_pages_needed(self) -> int:
+        size = self.pool.page_size
+        return sum(1 for r in self.running if r.kv_len % size == 0)
+
+    def _make_decode_room(self) -> list[Req]:
+        failed = []
+        while self.running:
+            short = self._decode_pages_needed() - self.pool.num_free_pages
+            if short <= 0:
+                break
+            if self.metrics.evicted(self.tree.evict(short * self.pool.page_size)) > 0:
+                continue
+            if len(self.running) == 1:
+                failed.append(self._fail_running(self.running[0], "out of KV memory"))
+                continue
+            failed += self._preempt_one()
+        return failed
+
+    def _preempt_one(self) -> list[Req]:
+        """Retract the least-progressed running request (fewest outputs, longest prompt)."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+        self.running.remove(victim)
+        self.counters["preemptions"] += 1
+        victim.num_preemptions += 1
+        self._release(victim, keep_in_tree=True)
+        if victim.num_preemptions > self.config.max_preemptions:
+            self._finish(victim, {"type": "abort", "message": "preempted too many times"})
+            victim.error = "preempted too many times (KV pool too small for the load)"
+            return [victim]
+        victim.state = ReqState.WAITING
+        self.waiting.append(victim)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        wanted = sum(r.sampling.max_new_tokens for r in self.running) or 1
+        self.new_token_ratio = min(
+            1.0, (decoded + RETRACT_HEADROOM_STEPS * len(self.running)) / wanted
+        )
+        return []
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _reserved_for_running(self) -> float:
+        return self.new_token_ratio * sum(self._still_needed(r) for r in self.running)
+
+    def _still_needed(self, req: Req) -> int:
+        """Tokens `req` may still generate: max_new_tokens, the context and a clip bound it."""
+        room = self.context_len - req.seq_len
+        return max(0, min(req.remaining_new_tokens(), room, CLIP_MAX_NEW_TOKENS))
+
+    def _prefill_budget(self) -> int:
+        size = self.config.chunked_prefill_size
+        return (
+            self.config.max_prefill_tokens
+            if size <= 0
+            else min(size, self.config.max_prefill_tokens)
+        )
+
+    def _admit(self) -> list[Req]:
+        """Choose this step's extends: the chunked request first, then waiting requests."""
+        budget = self._prefill_budget()
+        extends: list[Req] = []
+        if self.chunked is not None:
+            req = self.chunked
+            chunk = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
+            if self._grow(req, chunk):
+                extends.append(req)
+                budget -= chunk
+        admitted_cost = 0.0
+        in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
+        self.admit_stop = None  # why admission stopped; None: the queue ran out
+        for req in order_waiting(
+            self.waiting, self.tree, self.config.schedule_policy, self.step_count
+        ):
+            if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
+                self.admit_stop = "token_budget" if budget <= 0 else "running_cap"
+                break
+            prefix, node = self.tree.match_prefix(
+                np.asarray(req.fill_ids[: req.max_prefix_len], I64)
+            )
+            ids = np.asarray(req.fill_ids, dtype=I64)
+            if not self.tree.disabled and shares_uncached(ids, len(prefix), in_step):
+                continue  # a request admitted this step computes that prefix; reuse it next step
+            self.tree.lock(node)
+            extend_len = req.seq_len - len(prefix)
+            cost = extend_len + self._still_needed(req)
+            available = self.pool.num_free_slots + self.tree.evictable_size
+            room = available - self._reserved_for_running() - admitted_cost
+            alone = not self.running and not extends
+            chunk = extend_len
+            if extend_len > budget:
+                if self.config.chunked_prefill_size > 0 and self.chunked is None:
+                    chunk = budget
+                elif extends:  # chunking off: only the step's first prefill may exceed
+                    chunk = 0
+            if chunk == 0 or chunk > available or (cost > room and not alone):
+                self.admit_stop = "token_budget" if chunk == 0 else "kv"
+                self.tree.unlock(node)
+                break
+            if not self._start(req, prefix, node, chunk):
+                self.admit_stop = "kv"
+                self.tree.unlock(node)
+                break
+            self.waiting.remove(req)
+            if chunk < extend_len:
+                self.chunked = req
+            extends.append(req)
+            in_step.append(ids)
+            budget -= chunk
+            admitted_cost += cost
+        return extends
+
+    def _start(self, req: Req, prefix: np.ndarray, node: Any, chunk: int) -> bool:
+        """Give a waiting request its cached prefix (lock already held) and `chunk` new slots."""
+        size = self.pool.page_size
+        req.slots = np.zeros(0, dtype=I64)
+        req.set_slots(0, prefix)
+        req.kv_len = req.prefix_len = len(prefix)
+        req.last_node, req.own_pages = node, []
+        req.copy_src = req.copy_dst = None
+        req.input_logprobs_done = req.input_logprobs_done or not req.wants_input_logprobs
+        # Copied, never written into: a match's tail inside a tree page, or a short match whole
+        shared_tail = len(prefix) if len(prefix) < COPY_PREFIX_BELOW else len(prefix) % size
+        if shared_tail:
+            start, count = len(prefix) - shared_tail, -(-shared_tail // size)
+            future = req.seq_len + req.remaining_new_tokens() - start - count * size
+            pages = self._alloc_pages(count, req, future)
+            if pages is None:
+                return False
+            req.own_pages = pages
+            dst = (np.array(pages, dtype=I64)[:, None] * size + np.arange(size)).ravel()
+            req.copy_src, req.copy_dst = prefix[start:].copy(), dst[:shared_tail]
+            req.set_slots(start, req.copy_dst)
+        if not self._grow(req, chunk):
+            self.pool.decref(req.own_pages)
+            req.own_pages, req.copy_src = [], None
+            return False
+        if req.cached_tokens < 0:
+            req.cached_tokens = len(prefix)
+            self.counters["cached_tokens"] += len(prefix)
+            self.counters["prompt_tokens"] += len(req.input_ids)
+        req.state = ReqState.RUNNING
+        return True
+
+    def _grow(self, req: Req, count: int) -> bool:
+        """Allocate slots for positions kv_len .. kv_len+count-1 (evicting if needed).
+
+        Own pages are position-aligned: position p sits at offset p % page_size, so the tail
+        page (own_pages[-1]) continues wherever kv_len is not on a page boundary."""
+        size = self.pool.page_size
+        start = req.kv_len
+        offset = start % size
+        in_tail = min(size - offset, count) if offset else 0
+        future = req.seq_len + req.remaining_new_tokens() - start - count
+        pages = self._alloc_pages(-(-(count - in_tail) // size), req, future)
+        if pages is None:
+            return False
+        parts = []
+        if in_tail:
+            assert req.own_pages, f"{req.rid}: kv_len {start} mid-page without a tail page"
+            parts.append(req.own_pages[-1] * size + np.arange(offset, offset + in_tail, dtype=I64))
+        parts += [page * size + np.arange(size, dtype=I64) for page in pages]
+        req.set_slots(start, np.concatenate(parts)[:count] if parts else np.zeros(0, I64))
+        req.own_pages.extend(pages)
+        req.extend_target = start + count
+        return True
+
+    def _alloc_pages(self, count: int, req: Req, future: int) -> list[int] | None:
+        # continuing req's run, with room for `future` more slots behind a new run (run_hint)
+        if count == 0:
+            return []
+        short = count - self.pool.num_free_pages
+        if short > 0:
+            self.metrics.evicted(self.tree.evict(short * self.pool.page_size))
+        return self.pool.alloc_pages(count, *run_hint(req.own_pages, future, self.pool.page_size))
+
+    # ---- the plan --------------------------------------------------------------------------
+
+    def _alloc_decode_slot(self, req: Req) -> int:
+        """The slot for position kv_len: in its own last page, or a new one (one is free)."""
+        size = self.pool.page_size
+        if req.kv_len % size:
+            slot = req.own_pages[-1] * size + req.kv_len % size
+        else:
+            hint = run_hint(req.own_pages, req.remaining_new_tokens(), size)
+            pages = self.pool.alloc_pages(1, *hint)
+            assert pages is not None, f"no page for decode: free={self.pool.num_free_pages}"
+            req.own_pages.extend(pages)
+            slot = pages[0] * size
+        req.set_slots(req.kv_len, np.array([slot], dtype=I64))
+        return slot
+
+    # ---- after the forward -----------------------------------------------------------------
+
+    def _postprocess(
+        self,
+        plan: BatchPlan,
+        result: StepResult,
+        extends: list[Req],
+        decodes: list[Req],
+        sample_reqs: list[Req],
+    ) -> list[Req]:
+        now = self.clock()
+        self._store_input_logprobs(plan, result, extends)
+        for req in extends:
+            self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
+            req.kv_len = req.extend_target
+            self._cache_computed(req)
+        self.counters["decode_tokens"] += len(decodes)
+        for req in decodes:
+            req.kv_len += 1
+        sampled = {id(r): i for i, r in enumerate(sample_reqs)}
+        updated: list[Req] = []
+        for req in extends:
+            if req.kv_len < req.seq_len:
+                continue  # mid-chunk: stays the chunked request
+            if self.chunked is req:
+                self.chunked = None
+            if id(req) not in sampled:  # prefill-only (max_new_tokens == 0)
+                self._finish(req, {"type": "length", "length": 0})
+                updated.append(req)
+                continue
+            self.running.append(req)
+        for req in sample_reqs:
+            if req.finished:
+                continue
+            i = sampled[id(req)]
+            self._append_token(req, result.next_token_ids[i], result.next_logprobs[i], now)
+            if result.top_logprobs is not None and req.top_logprobs_num:
+                row = plan.sample_rows[i]
+                req.output_top_logprobs.append(
+                    list(
+                        zip(
+                            result.top_logprobs[row][: req.top_logprobs_num].tolist(),
+                            result.top_ids[row][: req.top_logprobs_num].tolist(),
+                        )
+                    )
+                )
+            updated.append(req)
+        updated += self.spec.accept(plan, result, len(sample_reqs), self._append_token, self.pool)
+        for req in list(self.running):
+            if req.finished:
+                self.running.remove(req)
+        decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = max(self.new_token_ratio - decay, self.min_ratio)
+        return updated
+
+    def _store_input_logprobs(
+        self, plan: BatchPlan, result: StepResult, extends: list[Req]
+    ) -> None:
+        row_of = {int(r): i for i, r in enumerate(plan.logit_rows)}
+        row = 0
+        for req in extends:
+            start, end = req.kv_len, req.extend_target
+            positions = req.input_logprob_positions(start, end)
+            if positions or (not req.input_logprobs_done and end >= len(req.input_ids)):
+                if not req.input_logprobs and req.logprob_start_len == 0:
+                    req.input_logprobs.append(None)
+                    req.input_top_logprobs.append([])
+                for p in positions:
+                    i = row_of[row + p - start]
+                    req.input_logprobs.append(float(result.target_logprobs[i]))
+                    if result.top_logprobs is not None and req.top_logprobs_num:
+                        k = req.top_logprobs_num
+                        req.input_top_logprobs.append(
+                            list(
+                                zip(
+                                    result.top_logprobs[i][:k].tolist(),
+                                    result.top_ids[i][:k].tolist(),
+                                )
+                            )
+                        )
+            if end >= len(req.input_ids):
+                req.input_logprobs_done = True
+            row += end - start
+
+    def _append_token(self, req: Req, token: int, logprob: float, now: float) -> None:
+        reason = req.append_token(token, logprob, now, self.eos_token_ids)
+        reason = reason or req.stop_reason(self.context_len, self.decode)
+        if reason is not None:
+            self._finish(req, reason)
+
+    # ---- KV ownership ----------------------------------------------------------------------
+
+    def _cache_computed(self, req: Req) -> None:
+        """Insert the computed prefix into the tree, adopt the tree's slots, move the lock."""
+        if self.tree.disabled:
+            return
+        keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+        present = self.tree.insert(keys, req.slots[: req.kv_len])
+        slots, node = self.tree.match_prefix(keys)
+        assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
+        # someone else's duplicates: adopt the tree's slots, but a short head keeps its own
+        if req.prefix_len < present and present >= COPY_PREFIX_BELOW:
+            req.set_slots(req.prefix_len, slots[req.prefix_len : present])
+        self.tree.lock(node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len = node, req.kv_len
+        self._drop_unused_pages(req)
+
+    def _drop_unused_pages(self, req: Req) -> None:
+        """Release own pages the slot table no longer points into."""
+        if not req.own_pages:
+            return
+        in_use = set((req.slots[: req.kv_len] // self.pool.page_size).tolist())
+        if req.kv_len % self.pool.page_size:  # the tail page the next token is written into
+            in_use.add(req.own_pages[-1])
+        unused = [p for p in req.own_pages if p not in in_use]
+        if unused:
+            req.own_pages = [p for p in req.own_pages if p in in_use]
+            self.pool.decref(unused)
+
+    def _release(self, req: Req, keep_in_tree: bool) -> None:
+        """Give back everything `req` holds; its computed KV stays in the tree (evictable)."""
+        if req.last_node is None and not req.own_pages:
+            return
+        if keep_in_tree and not self.tree.disabled and req.kv_len > req.prefix_len:
+            keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+            self.tree.insert(keys, req.slots[: req.kv_len])
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        self.pool.decref(req.own_pages)
+        req.own_pages, req.last_node = [], None
+        req.slots = np.zeros(0, dtype=I64)
+        req.kv_len = req.prefix_len = 0
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        if req.finished:
+            return
+        req.finish_reason = reason
+        if reason["type"] in ("abort", "error") and req.error is None:
+            req.error = reason.get("message", reason["type"])
+        self._release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
+        self.metrics.finished(req, self.clock())
+        self.spec.observe_finished(req)
+        req.state = ReqState.FINISHED
+        self.counters["finished_requests"] += 1
+
+    def _fail(self, req: Req, message: str) -> None:
+        req.error = message
+        self._finish(req, {"type": "error", "message": message})
+
+    def _fail_batch(self, batch: list[Req], message: str) -> list[Req]:
+        """Fail every unfinished request of a step that raised, wherever it sits now; their
+        KV goes back (nothing of this step enters the tree), so the pool stays consistent."""
+        failed = []
+        for req in batch:
+            if req.finished:
+                continue
+            for queue in (self.running, self.waiting):
+                if req in queue:
+                    queue.remove(req)
+            if self.chunked is req:
+                self.chunked = None
+            self._fail(req, message)
+            failed.append(req)
+        return failed
+
+    def _fail_running(self, req: Req, message: str) -> Req:
+        self.running.remove(req)
+        self._fail(req, message)
+        return req
+
+    def _check_fits(self, req: Req) -> str | None:
+        """Why `req` can never run, or None. It never holds more than the context's slots.
+        (Prompt lengths and ids were checked where the request entered: RequestLimits.)"""
+        need = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_len)
+        if need > self.pool.capacity_pages * self.pool.page_size:
+            return (
+                f"request needs {need} KV slots (prompt + max_new_tokens) but the pool holds "
+                f"{self.pool.capacity_pages * self.pool.page_size}"
+            )
+        return None
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            **c,
+            "cache_hit_rate": c["cached_tokens"] / c["prompt_tokens"]
+            if c["prompt_tokens"]
+            else 0.0,
+            "tokens_in_tree": self.tree.total_size,
+            "evictable_tokens": self.tree.evictable_size,
+            "protected_tokens": self.tree.protected_size,
+            "free_slots": self.pool.num_free_slots,
+            "total_slots": self.pool.capacity_pages * self.pool.page_size,
+            "running_requests": len(self.running) + (1 if self.chunked else 0),
+            "waiting_requests": len(self.waiting) + len(self.grammar_queue),
+            "new_token_ratio": self.new_token_ratio,
+            **self.metrics.stats(self),
+            **self.spec.stats(),
+        }
+
+    def check_invariants(self) -> None:
+        """Slot/page ownership adds up; tree counters and locks are consistent."""
+        check_ownership(self)

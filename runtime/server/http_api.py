@@ -1,0 +1,404 @@
+"""The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
+frontend, scripts and router work unchanged), the OpenAI-compatible routes
+(runtime/server/openai_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
+
+A handler validates its body into the same typed messages the ZeroMQ door decodes
+(`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
+identity. A Sink never blocks the loop: it holds at most one pending chunk (later chunks merge
+into it: text is cumulative, ids and logprobs append) and the final reply, so a slow or stalled
+client costs memory bounded by its own output, and only its own handler waits on its socket.
+A client that disconnects cancels its handler (aiohttp's handler_cancellation), and the
+handler's exit aborts whatever it still had in flight: its KV is freed at the scheduler's next
+step. Bodies are limited to `max_message_bytes` (413); with an API key every route but SGLang's
+unauthenticated `/health` and `/health_generate` wants `Authorization: Bearer <key>` (401).
+Every error is OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from radixflow.runtime.protocol import messages as m
+from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
+from radixflow.runtime.server.http_request import (
+    STATUS_OF_CODE,
+    HttpError,
+    check_fields,
+    dumps,
+    error_body,
+    error_response,
+    json_response,
+    new_rid,
+    parse_generate,
+    request_error,
+    typed,
+)
+
+SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def is_http2_probe(record: logging.LogRecord) -> bool:
+    """sglang-router opens every new worker with an HTTP/2 (gRPC) probe; aiohttp answers it
+    400 and logs a traceback. Keep the 400, drop the traceback (False filters the record)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "PRI/Upgrade" in str(error))
+
+
+class Sink:
+    """The reply identity of one request from an HTTP handler (see the module docstring)."""
+
+    def __init__(self, rid: str, wake: asyncio.Event) -> None:
+        self.rid = rid
+        self.wake = wake  # shared by the sinks of one handler
+        self.chunk: Chunk | None = None
+        self.final: Any = None
+
+    def deliver(self, reply: Any) -> None:
+        if isinstance(reply, Chunk):
+            self.chunk = reply if self.chunk is None else merge_chunks(self.chunk, reply)
+        elif self.final is None:
+            self.final = reply
+        self.wake.set()
+
+    def take_chunk(self) -> Chunk | None:
+        chunk, self.chunk = self.chunk, None
+        return chunk
+
+
+def merge_chunks(old: Chunk, new: Chunk) -> Chunk:
+    """Two consecutive chunks as one: the newer text and meta, the ids and logprobs of both."""
+    meta = dict(new.meta_info)
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = list(old.meta_info.get(key, [])) + list(meta[key])
+    return Chunk(new.rid, new.text, old.new_ids + new.new_ids, meta)
+
+
+# ---- the door --------------------------------------------------------------------------
+
+
+class HttpDoor:
+    """The aiohttp application of one Server; `start` binds it on the server's loop."""
+
+    def __init__(self, server: Any) -> None:
+        from radixflow.runtime.server.openai_api import OpenAiRoutes
+
+        self.server = server
+        self.app = web.Application(
+            client_max_size=server.config.max_message_bytes, middlewares=[self.guard]
+        )
+        get, post = web.get, web.post
+        routes = [
+            web.route("*", "/generate", self.generate),
+            get("/get_model_info", self.model_info),
+            get("/model_info", self.model_info),
+            get("/get_server_info", self.server_info),
+            get("/server_info", self.server_info),
+            web.route("*", "/flush_cache", self.flush_cache),
+            get("/health", self.health),
+            get("/health_generate", self.health_generate),
+            get("/get_load", self.get_load),
+            post("/abort_request", self.abort_request),
+            post("/concate_and_append_request", self.concate_and_append),
+            post("/radixflow/score", self.score),
+            get("/metrics", self.metrics),
+        ]
+        self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        self.runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> str:
+        logging.getLogger("aiohttp.server").addFilter(is_http2_probe)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        )
+        await self.runner.setup()
+        await web.SockSite(self.runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
+        literal = f"[{host}]" if ":" in host else host
+        return f"http://{literal}:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    @web.middleware
+    async def guard(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
+    ) -> web.StreamResponse:
+        key = self.server.config.api_key
+        # SGLang's rule: /health* answer without the key (sglang-router registers a worker by
+        # probing /health before it sends any key; a 401 there keeps the worker out)
+        if key and not request.path.startswith("/health"):
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), key.encode()):
+                self.server.counters[f"error_{m.ERROR_UNAUTHORIZED}"] += 1
+                return error_response(HttpError(401, "missing or wrong API key (Bearer token)"))
+        try:
+            return await handler(request)
+        except HttpError as e:
+            self.server.counters[f"http_error_{e.status}"] += 1
+            return error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 (body too large)
+            if e.status < 400:
+                raise
+            return error_response(HttpError(e.status, e.text or e.reason))
+
+    async def body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw) if raw else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the body is not JSON: {e}") from e
+
+    def submit(self, msgs: list[Generate]) -> list[Sink]:
+        wake = asyncio.Event()
+        sinks = [Sink(msg.rid, wake) for msg in msgs]
+        try:
+            self.server.submit_generates(list(zip(sinks, msgs)))
+        except ValueError as e:  # RequestError
+            raise request_error(e) from e
+        return sinks
+
+    async def replies(self, sinks: list[Sink]) -> AsyncIterator[tuple[int, Any]]:
+        """(index, chunk or final reply) as they arrive. Leaving early (the client went away,
+        an error) aborts the requests still in flight."""
+        open_ = list(range(len(sinks)))
+        try:
+            while open_:
+                await sinks[0].wake.wait()
+                sinks[0].wake.clear()
+                for i in list(open_):
+                    chunk = sinks[i].take_chunk()
+                    if chunk is not None:
+                        yield i, chunk
+                    if sinks[i].final is not None:
+                        open_.remove(i)
+                        yield i, sinks[i].final
+        finally:
+            for i in open_:
+                self.server.abort_identity(sinks[i], "client disconnected")
+
+    async def finals(self, sinks: list[Sink]) -> list[Any]:
+        """Every request's final data; the first error reply raises as an HttpError."""
+        out: list[Any] = [None] * len(sinks)
+        async with contextlib.aclosing(self.replies(sinks)) as replies:
+            async for i, reply in replies:
+                if isinstance(reply, Error):
+                    raise HttpError(
+                        STATUS_OF_CODE.get(reply.code, 500), reply.message, code=reply.code
+                    )
+                if isinstance(reply, Result):
+                    out[i] = reply.data
+        return out
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        return response
+
+    async def event(self, response: web.StreamResponse, data: Any) -> None:
+        text = data if isinstance(data, str) else dumps(data)
+        await response.write(f"data: {text}\n\n".encode())
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return self.server.tokenizer.batch_decode([[i] for i in ids])
+
+    # ---- SGLang's native API -----------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("POST", "PUT"):
+            raise HttpError(405, f"{request.method} /generate: use POST")
+        body = await self.body(request)
+        batch, msgs = parse_generate(body)
+        text_in_logprobs = bool(body.get("return_text_in_logprobs"))
+        sinks = self.submit(msgs)
+        if msgs[0].stream:
+            return await self.generate_stream(request, sinks, batch, text_in_logprobs)
+        outs = [self.native(d, text_in_logprobs) for d in await self.finals(sinks)]
+        return json_response(outs if batch else outs[0])
+
+    async def generate_stream(
+        self, request: web.Request, sinks: list[Sink], batch: bool, text_in_logprobs: bool
+    ) -> web.StreamResponse:
+        """SSE: one `data: {json}` per chunk (cumulative text, ids and logprobs, as SGLang
+        streams by default), each final result, then `data: [DONE]`."""
+        response = await self.sse(request)
+        ids: list[list[int]] = [[] for _ in sinks]
+        logprobs: list[list[Any]] = [[] for _ in sinks]
+        async with contextlib.aclosing(self.replies(sinks)) as replies:
+            async for i, reply in replies:
+                if isinstance(reply, Error):
+                    status = STATUS_OF_CODE.get(reply.code, 500)
+                    await self.event(response, error_body(status, reply.message, None, reply.code))
+                    break
+                if isinstance(reply, Chunk):
+                    ids[i] += reply.new_ids
+                    meta = dict(reply.meta_info)
+                    if "output_token_logprobs" in meta:
+                        logprobs[i] += meta["output_token_logprobs"]
+                        meta["output_token_logprobs"] = list(logprobs[i])
+                    data = {"text": reply.text, "output_ids": list(ids[i]), "meta_info": meta}
+                    data["meta_info"].setdefault("finish_reason", None)
+                    data = self.native(data, text_in_logprobs)
+                else:
+                    data = self.native(reply.data, text_in_logprobs)
+                if batch:
+                    data["index"] = i
+                await self.event(response, data)
+        await self.event(response, "[DONE]")
+        await response.write_eof()
+        return response
+
+    def native(self, data: dict[str, Any], text_in_logprobs: bool) -> dict[str, Any]:
+        """A generate result in SGLang's shape: logprob entries are [logprob, id, text|None],
+        top logprobs a list per position of such entries."""
+        meta = data.get("meta_info", {})
+        if "output_token_logprobs" not in meta and "input_token_logprobs" not in meta:
+            return data
+        meta = dict(meta)
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key in meta:
+                meta[key] = self.entries([(e[0], e[1]) for e in meta[key]], text_in_logprobs)
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            if key in meta:
+                meta[key] = [self.entries(top, text_in_logprobs) for top in meta[key]]
+        return {**data, "meta_info": meta}
+
+    def entries(self, pairs: list[Any], with_text: bool) -> list[list[Any]]:
+        texts = self.token_texts([t for _, t in pairs]) if with_text else [None] * len(pairs)
+        return [[lp, t, s] for (lp, t), s in zip(pairs, texts)]
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        info = self.server.model_info_data()
+        return json_response(
+            {
+                **info,
+                "model_path": info.get("model_path"),
+                "tokenizer_path": info.get("model_path"),
+                "served_model_name": info.get("model"),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        import dataclasses
+
+        config = dataclasses.asdict(self.server.config)
+        config.pop("api_key")
+        stats = self.server.stats_data()
+        info = {
+            **config,
+            "model_path": self.server.model_info.get("model_path"),
+            "internal_states": [stats],
+            "version": "radixflow",
+            "frontend": "python",
+            "http_url": self.server.http_url,
+            "zmq_address": self.server.address,
+        }
+        return json_response(info)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        rid = new_rid()
+        sink = Sink(rid, asyncio.Event())
+        self.server.handle(sink, FlushCache(rid))
+        (reply,) = [r async for _, r in self.replies([sink])]
+        if isinstance(reply, Error):
+            raise HttpError(STATUS_OF_CODE.get(reply.code, 500), reply.message, code=reply.code)
+        if not reply.data["flushed"]:  # SGLang's answer while requests run
+            return web.Response(status=400, text="Cache not flushed: requests are running.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    async def health(self, request: web.Request) -> web.Response:
+        data = self.server.health_data()
+        return json_response(data, 200 if data["ok"] else 503)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's load report, one entry per data-parallel rank (we have one): sglang-router
+        reads `num_tokens` (KV held by live requests) for its power_of_two policy."""
+        stats = self.server.scheduler_stats
+        free = stats.get("free_slots", 0) + stats.get("evictable_tokens", 0)
+        running, waiting = stats.get("running_requests", 0), stats.get("waiting_requests", 0)
+        load = {
+            "dp_rank": 0,
+            "num_reqs": max(running + waiting, len(self.server.jobs)),
+            "num_waiting_reqs": waiting,
+            "num_tokens": max(stats.get("total_slots", 0) - free, 0),
+        }
+        return json_response([load])
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """Generates one token (as SGLang does) so a stuck scheduler shows as 503."""
+        if not self.server.health_data()["ok"]:
+            return json_response(self.server.health_data(), 503)
+        msg = Generate(new_rid(), input_ids=[0], sampling_params={"max_new_tokens": 1})
+        try:
+            await asyncio.wait_for(self.finals(self.submit([msg])), HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, HttpError) as e:
+            raise HttpError(503, f"health generation failed: {e or 'timed out'}") from e
+        return json_response(self.server.health_data())
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        check_fields(body, {"rid", "abort_all"}, {"abort_message": None}, ("abort_message",), "")
+        rid, abort_all = typed(body, "rid", str, ""), typed(body, "abort_all", bool, False)
+        targets = list(self.server.jobs) if abort_all else [rid]
+        aborted = [r for r in targets if self.server.abort_rid(r)]
+        return json_response({"aborted": aborted})
+
+    async def concate_and_append(self, request: web.Request) -> web.Response:
+        """SGLang's fork join splices branch KV here; the radix cache already holds every
+        branch's prefix, so the next /generate reuses it exactly: nothing to do."""
+        await self.body(request)
+        return json_response({"success": True})
+
+    async def score(self, request: web.Request) -> web.Response:
+        """radixflow's `score` message over HTTP (the DSL's select); SGLang's frontend scores
+        through batch /generate with logprobs instead, which works here too."""
+        body = await self.body(request)
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        check_fields(body, {"prefix", "continuations", "unconditional"}, {}, (), "")
+        continuations = typed(body, "continuations", list, None)
+        if continuations is None or not all(isinstance(c, str) for c in continuations):
+            raise HttpError(400, "continuations must be a list of strings", "continuations")
+        msg = Score(
+            new_rid(),
+            typed(body, "prefix", str, ""),
+            continuations,
+            typed(body, "unconditional", bool, False),
+        )
+        sink = Sink(msg.rid, asyncio.Event())
+        self.server.handle(sink, msg)
+        (data,) = await self.finals([sink])
+        return json_response(data)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from radixflow.runtime.server.metrics import CONTENT_TYPE
+
+        body = self.server.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

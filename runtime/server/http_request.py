@@ -1,0 +1,255 @@
+"""HTTP request bodies: SGLang's and the router's field tables, validation of `/generate`
+bodies into typed `Generate` messages, and errors in OpenAI's shape (`HttpError`, statuses of
+the protocol's error codes). Shared by the native routes (http_api.py) and the OpenAI routes
+(openai_api.py); aiohttp appears only in `error_response` / `json_response`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from radixflow.runtime.protocol import messages as m
+from radixflow.runtime.protocol.messages import Generate
+
+STATUS_OF_CODE = {
+    m.ERROR_BAD_MESSAGE: 400,
+    m.ERROR_INVALID_REQUEST: 400,
+    m.ERROR_DUPLICATE_RID: 400,
+    m.ERROR_FAILED: 400,  # the scheduler refused it: a bad grammar, a prompt that cannot fit
+    m.ERROR_UNAUTHORIZED: 401,
+    m.ERROR_TOO_LARGE: 413,
+    m.ERROR_UNAVAILABLE: 503,
+    m.ERROR_SHUTDOWN: 503,
+    m.ERROR_INTERNAL: 500,
+}
+TYPE_OF_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+# /generate fields SGLang's clients and its router send that change nothing here at these
+# values (None or the default); any other value is refused as unsupported.
+GENERATE_NOOP = {
+    "model": None,
+    "log_metrics": None,  # any bool: metrics are always kept
+    "no_logs": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "background": False,
+    "return_bytes": False,
+    "return_entropy": False,
+    "return_prompt_token_ids": False,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "input_embeds": None,
+    "modalities": None,
+    "session_params": None,
+    "lora_path": None,
+    "lora_id": None,
+    "custom_logit_processor": None,
+    "token_ids_logprob": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "data_parallel_rank": None,
+    "priority": None,
+    "extra_key": None,
+    "custom_labels": None,
+    "routing_key": None,
+    "conversation_id": None,
+}
+ANY_BOOL = ("log_metrics", "no_logs")
+ANY_VALUE = ("model",)  # the router adds model=None; /generate serves the one model anyway
+GENERATE_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+}
+# sampling_params names of SGLang's that are no-ops here at these values
+SAMPLING_NOOP = {
+    "spaces_between_special_tokens": None,  # any bool: fast tokenizers ignore it
+    "stream_interval": None,  # any value: every step's tokens are streamed
+    "no_stop_trim": False,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "custom_params": None,
+    "logit_bias": None,
+    "beam_width": None,
+}
+SAMPLING_ANY = ("spaces_between_special_tokens", "stream_interval")
+
+
+class HttpError(Exception):
+    """An HTTP error answer (status and OpenAI's error fields)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: Any = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def request_error(e: Exception) -> HttpError:
+    """A server RequestError (or error reply) as an HttpError."""
+    code = getattr(e, "code", m.ERROR_INVALID_REQUEST)
+    return HttpError(STATUS_OF_CODE.get(code, 400), str(e), code=code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: Any = None) -> dict:
+    kind = TYPE_OF_STATUS.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
+def error_response(e: HttpError) -> web.Response:
+    return web.json_response(error_body(e.status, str(e), e.param, e.code), status=e.status)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(value: Any, status: int = 200) -> web.Response:
+    return web.json_response(value, status=status, dumps=dumps)
+
+
+# ---- sinks: where a request's replies wait for their handler ----------------------------
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+# ---- body validation -------------------------------------------------------------------
+
+
+def check_fields(body: dict, honored: set[str], noop: dict, any_value: tuple, where: str) -> None:
+    """Refuse unknown names, and SGLang's known ones at values this server cannot honour."""
+    for name, value in body.items():
+        if name in honored:
+            continue
+        if name not in noop:
+            raise HttpError(400, f"unknown field {where}{name!r}", param=name)
+        if name in any_value or value is None or value == noop[name]:
+            continue
+        if name in ANY_BOOL and isinstance(value, bool):
+            continue
+        raise HttpError(400, f"{where}{name}={value!r} is not supported by radixflow", name)
+
+
+def typed(body: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
+    """body[name] if it has type `kind` (a bool is not an int), else 400; None -> default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = "/".join(k.__name__ for k in kinds)
+        raise HttpError(400, f"{name} must be {names}, got {type(value).__name__}", name)
+    return value
+
+
+def is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def clean_sampling(params: Any, where: str = "sampling_params.") -> dict[str, Any]:
+    """SGLang's sampling_params with its no-op names dropped (SamplingParams checks the rest)."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise HttpError(400, "sampling_params must be an object", "sampling_params")
+    known = {k for k in params if k not in SAMPLING_NOOP}
+    check_fields(params, known, SAMPLING_NOOP, SAMPLING_ANY, where)
+    out = {k: params[k] for k in known}
+    if "sampling_seed" in out:
+        out["seed"] = out.pop("sampling_seed")
+    return out
+
+
+def per_item(body: dict, name: str, count: int, kind: type, default: Any) -> list[Any]:
+    """A /generate option given once for all prompts or as a list, one per prompt."""
+    value = body.get(name)
+    if isinstance(value, list):
+        if len(value) != count:
+            raise HttpError(400, f"{name} has {len(value)} entries for {count} prompts", name)
+        return [typed({name: v}, name, kind, default) for v in value]
+    return [typed(body, name, kind, default)] * count
+
+
+def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
+    """A /generate body -> (is_batch, one Generate per prompt and sample, prompt-major)."""
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    check_fields(body, GENERATE_FIELDS, GENERATE_NOOP, ANY_VALUE, "")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise HttpError(400, "give exactly one of text and input_ids", "text")
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        prompts: list[Any] = [("text", t) for t in text]
+    elif isinstance(text, str):
+        prompts = [("text", text)]
+    elif isinstance(ids, list) and ids and all(is_int_list(i) for i in ids):
+        prompts = [("input_ids", i) for i in ids]
+    elif is_int_list(ids):
+        prompts = [("input_ids", ids)]
+    else:
+        raise HttpError(
+            400,
+            "text must be a string or a non-empty list of strings; input_ids "
+            "a list of ints or a non-empty list of such lists",
+            "text",
+        )
+    batch = isinstance(text, list) or (bool(ids) and isinstance(ids[0], list))
+    count = len(prompts)
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        if len(params) != count:
+            raise HttpError(400, f"{len(params)} sampling_params for {count} prompts")
+        sampling = [clean_sampling(p) for p in params]
+    else:
+        sampling = [clean_sampling(params)] * count
+    rids = per_item(body, "rid", count, str, None)
+    stream = typed(body, "stream", bool, False)
+    logprob = per_item(body, "return_logprob", count, bool, False)
+    start = per_item(body, "logprob_start_len", count, int, -1)
+    top = per_item(body, "top_logprobs_num", count, int, 0)
+    typed(body, "return_text_in_logprobs", bool, False)
+    msgs = []
+    for i, (kind, prompt) in enumerate(prompts):
+        n = sampling[i].get("n", 1)
+        if type(n) is not int or not 1 <= n <= 64:
+            raise HttpError(400, f"invalid sampling parameter n={n!r}", "n")
+        for j in range(n):
+            params_j = {**sampling[i], "n": 1}
+            if n > 1 and type(params_j.get("seed")) is int:
+                params_j["seed"] += j  # n equal seeds would give n equal samples
+            rid = rids[i] if n == 1 else (f"{rids[i]}-{j}" if rids[i] else None)
+            msgs.append(
+                Generate(
+                    rid or new_rid(),
+                    sampling_params=params_j,
+                    stream=stream,
+                    return_logprob=logprob[i] or top[i] > 0,
+                    logprob_start_len=start[i],
+                    top_logprobs_num=top[i],
+                    **{kind: prompt},
+                )
+            )
+    return batch or len(msgs) > 1, msgs

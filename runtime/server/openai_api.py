@@ -1,0 +1,500 @@
+"""OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions`, with OpenAI's request fields and response/chunk shapes, plus the
+fields SGLang adds (`regex`, `top_k`, `min_p`, ...) and the ones its router inserts.
+
+Each choice is one scheduler request; the `n` choices of a prompt are submitted in one batch
+so they are admitted together and prefill the prompt's KV once. Chat messages are rendered
+with the model's own chat template (the tokenizer's), then tokenized here, so `usage` counts
+exactly the tokenizer's tokens. `response_format` (json_object, json_schema) and `regex` go
+through the constrained decoder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from radixflow.runtime.protocol.messages import Chunk, Error, Generate
+from radixflow.runtime.server.http_request import (
+    HttpError,
+    check_fields,
+    clean_sampling,
+    error_body,
+    is_int_list,
+    typed,
+)
+
+COMMON = {
+    "model",
+    "n",
+    "stop",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "logprobs",
+    "response_format",
+    # SGLang's extras
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "regex",
+    "json_schema",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "rid",
+}
+CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
+# fields OpenAI clients or SGLang's router send that are no-ops at these values
+NOOP = {
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": "none",
+    "parallel_tool_calls": True,
+    "no_stop_trim": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "lora_path": None,
+    "session_params": None,
+    "chat_template_kwargs": None,
+    "ebnf": None,
+    "stop_regex": None,
+    "custom_logit_processor": None,
+    "custom_params": None,
+    "priority": None,
+    "extra_key": None,
+    "cache_salt": None,
+    "data_parallel_rank": None,
+    "metadata": None,
+    "store": False,
+    "service_tier": None,
+    "reasoning_effort": None,
+    "modalities": None,
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "return_routed_experts": False,
+    "return_cached_tokens_details": None,
+    "return_prompt_token_ids": False,
+    "return_meta_info": False,
+    "return_token_ids": False,
+    "parallel_sample_num": None,
+}
+ANY = ("user", "metadata", "return_cached_tokens_details", "store")
+ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
+# json_object: an object of scalar values. Any nesting ({"type": "object"}) makes outlines-core
+# build an index some 20x larger, which took 50 s on a loaded 2-core machine.
+JSON_OBJECT = {
+    "type": "object",
+    "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
+}
+
+
+class OpenAiRoutes:
+    def __init__(self, door: Any) -> None:
+        self.door = door
+        self.server = door.server
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ]
+
+    # ---- models ------------------------------------------------------------------------
+
+    def model_name(self) -> str:
+        return self.server.model_info.get("model", "default")
+
+    def card(self) -> dict[str, Any]:
+        name = self.model_name()
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "radixflow",
+            "root": self.server.model_info.get("model_path", name),
+            "max_model_len": self.server.model_info.get("context_length"),
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self.check_model(request.match_info["model"])
+        return web.json_response(self.card())
+
+    def check_model(self, name: Any) -> None:
+        known = {self.model_name(), self.server.model_info.get("model_path"), "default"}
+        if name is not None and name not in known:
+            raise HttpError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def request_body(self, request: web.Request, honored: set[str]) -> dict[str, Any]:
+        body = await self.door.body(request)
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        check_fields(body, honored, NOOP, ANY, "")
+        if not isinstance(body.get("model", ""), (str, type(None))):
+            raise HttpError(400, "model must be a string", "model")
+        self.check_model(body.get("model"))
+        return body
+
+    def sampling(self, body: dict[str, Any], prompt_len: int, max_key: str) -> dict[str, Any]:
+        """OpenAI's fields as SGLang's sampling_params (SamplingParams checks the values)."""
+        context = self.server.model_info["context_length"]
+        default = min(self.server.config.max_new_tokens_limit, max(context - prompt_len, 0))
+        params: dict[str, Any] = {"max_new_tokens": default}
+        names = {
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "seed": "seed",
+            "stop": "stop",
+            "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty",
+            "top_k": "top_k",
+            "min_p": "min_p",
+            "min_tokens": "min_new_tokens",
+            "repetition_penalty": "repetition_penalty",
+            "stop_token_ids": "stop_token_ids",
+            "ignore_eos": "ignore_eos",
+            "skip_special_tokens": "skip_special_tokens",
+            "regex": "regex",
+            "json_schema": "json_schema",
+            max_key: "max_new_tokens",
+        }
+        for name, ours in names.items():
+            if body.get(name) is not None:
+                params[ours] = body[name]
+        if max_key == "max_completion_tokens" and body.get("max_tokens") is not None:
+            params.setdefault("max_new_tokens", body["max_tokens"])
+            if body.get("max_completion_tokens") is None:
+                params["max_new_tokens"] = body["max_tokens"]
+        params.update(response_format(body.get("response_format")))
+        return clean_sampling(params, "")
+
+    def choices_of(
+        self, prompts: list[list[int]], body: dict[str, Any], max_key: str, top: int
+    ) -> list[Generate]:
+        n = typed(body, "n", int, 1)
+        if not 1 <= n <= 64:
+            raise HttpError(400, f"n must be in [1, 64], got {n}", "n")
+        stream = typed(body, "stream", bool, False)
+        want_logprobs = top >= 0
+        msgs = []
+        for ids in prompts:
+            base = self.sampling(body, len(ids), max_key)
+            for j in range(n):
+                params = dict(base)
+                if n > 1 and type(params.get("seed")) is int:
+                    params["seed"] += j  # n equal seeds would give n equal choices
+                msgs.append(
+                    Generate(
+                        uuid.uuid4().hex,
+                        input_ids=ids,
+                        sampling_params=params,
+                        stream=stream,
+                        return_logprob=want_logprobs,
+                        top_logprobs_num=max(top, 0),
+                    )
+                )
+        return msgs
+
+    def stream_usage(self, body: dict[str, Any]) -> bool:
+        options = body.get("stream_options")
+        if options is None:
+            return False
+        if not isinstance(options, dict) or set(options) - {
+            "include_usage",
+            "continuous_usage_stats",
+        }:
+            raise HttpError(400, "stream_options must be {include_usage: bool}", "stream_options")
+        return bool(typed(options, "include_usage", bool, False))
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            return self.server.tokenize(text)
+        except ValueError as e:
+            raise HttpError(400, str(e), "prompt") from e
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.request_body(request, CHAT)
+        text = self.render(body.get("messages"))
+        logprobs = typed(body, "logprobs", bool, False)
+        top = typed(body, "top_logprobs", int, None)
+        if top is not None and not (logprobs and 0 <= top <= MAX_TOP_LOGPROBS):
+            raise HttpError(
+                400, f"top_logprobs needs logprobs=true and 0..{MAX_TOP_LOGPROBS}", "top_logprobs"
+            )
+        msgs = self.choices_of(
+            [self.tokenize(text)], body, "max_completion_tokens", (top or 0) if logprobs else -1
+        )
+        return await self.respond(request, body, msgs, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.request_body(request, COMPLETION)
+        if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
+            raise HttpError(400, "echo, suffix and best_of > 1 are not supported", "echo")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompts = [self.tokenize(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [self.tokenize(p) for p in prompt]
+        elif is_int_list(prompt) and prompt:
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(is_int_list(p) for p in prompt):
+            prompts = list(prompt)
+        else:
+            raise HttpError(
+                400,
+                "prompt must be a string, a list of strings, a list of token "
+                "ids or a list of such lists",
+                "prompt",
+            )
+        top = typed(body, "logprobs", int, None)
+        if top is not None and not 0 <= top <= 5:
+            raise HttpError(400, "logprobs must be in [0, 5]", "logprobs")
+        if body.get("max_tokens") is None:
+            body["max_tokens"] = 16  # OpenAI's default for completions (also for null)
+        msgs = self.choices_of(prompts, body, "max_tokens", -1 if top is None else top)
+        return await self.respond(request, body, msgs, chat=False)
+
+    def render(self, messages: Any) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages must be a non-empty list", "messages")
+        clean = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ROLES:
+                raise HttpError(400, f"messages[{i}] needs a role in {ROLES}", "messages")
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(
+                    isinstance(p, dict)
+                    and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)
+                    for p in content
+                ):
+                    raise HttpError(
+                        400, f"messages[{i}]: only text content parts are supported", "messages"
+                    )
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise HttpError(400, f"messages[{i}].content must be a string", "messages")
+            role = "system" if message["role"] == "developer" else message["role"]
+            clean.append({"role": role, "content": content})
+        try:
+            return self.server.tokenizer.apply_chat_template(
+                clean, tokenize=False, add_generation_prompt=clean[-1]["role"] != "assistant"
+            )
+        except Exception as e:  # jinja raises its own errors for conversations it refuses
+            raise HttpError(400, f"the chat template refused the messages: {e}", "messages") from e
+
+    # ---- answers -----------------------------------------------------------------------
+
+    async def respond(
+        self, request: web.Request, body: dict[str, Any], msgs: list[Generate], chat: bool
+    ) -> web.StreamResponse:
+        include_usage = self.stream_usage(body)  # checked even when not streaming
+        sinks = self.door.submit(msgs)
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": self.model_name(),
+        }
+        if msgs[0].stream:
+            return await self.stream(request, include_usage, sinks, msgs, head, chat)
+        finals = await self.door.finals(sinks)
+        choices = []
+        for i, data in enumerate(finals):
+            meta = data["meta_info"]
+            choice: dict[str, Any] = {"index": i}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": data["text"]}
+            else:
+                choice["text"] = data["text"]
+            choice["logprobs"] = self.logprobs(meta, msgs[i], chat)
+            choice.update(finish(meta))
+            choices.append(choice)
+        obj = "chat.completion" if chat else "text_completion"
+        usage = self.usage([f["meta_info"] for f in finals], msgs)
+        return web.json_response({**head, "object": obj, "choices": choices, "usage": usage})
+
+    async def stream(
+        self,
+        request: web.Request,
+        include_usage: bool,
+        sinks: list[Any],
+        msgs: list[Generate],
+        head: dict[str, Any],
+        chat: bool,
+    ) -> web.StreamResponse:
+        """OpenAI's chunks: per choice a role chunk (chat), content deltas with their tokens'
+        logprobs, a last chunk with finish_reason; a usage chunk when asked; `[DONE]`."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        response = await self.door.sse(request)
+        shown = [""] * len(sinks)
+        streamed = [0] * len(sinks)  # logprob entries sent so far, per choice
+        metas: list[dict[str, Any] | None] = [None] * len(sinks)
+
+        async def send(i: int, delta: str, meta: dict[str, Any], final: dict | None) -> None:
+            choice: dict[str, Any] = {"index": i}
+            if chat:
+                choice["delta"] = {"content": delta} if delta else {}
+            else:
+                choice["text"] = delta
+            choice["logprobs"] = self.logprobs(meta, msgs[i], chat) if meta else None
+            choice["finish_reason"] = None
+            if final is not None:
+                choice.update(finish(final))
+            chunk = {**head, "object": obj, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            await self.door.event(response, chunk)
+
+        if chat:
+            for i in range(len(sinks)):
+                first = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await self.door.event(response, {**head, "object": obj, "choices": [first]})
+        async with contextlib.aclosing(self.door.replies(sinks)) as replies:
+            async for i, reply in replies:
+                if isinstance(reply, Error):
+                    status = 503 if reply.code in ("unavailable", "shutdown") else 400
+                    await self.door.event(
+                        response, error_body(status, reply.message, None, reply.code)
+                    )
+                    break
+                if isinstance(reply, Chunk):
+                    text, meta, final = reply.text, reply.meta_info, None
+                else:
+                    text, final = reply.data["text"], reply.data["meta_info"]
+                    metas[i] = final
+                    meta = {**final}
+                    if "output_token_logprobs" in final:  # only the entries not yet streamed
+                        meta["output_token_logprobs"] = final["output_token_logprobs"][
+                            streamed[i] :
+                        ]
+                        top = final.get("output_top_logprobs")
+                        meta["output_top_logprobs"] = top[streamed[i] :] if top else None
+                streamed[i] += len(meta.get("output_token_logprobs") or ())
+                delta = text[len(shown[i]) :] if text.startswith(shown[i]) else ""
+                shown[i] = text if text.startswith(shown[i]) else shown[i]
+                await send(i, delta, meta, final)
+        if include_usage and all(metas):
+            usage = self.usage(metas, msgs)
+            await self.door.event(response, {**head, "object": obj, "choices": [], "usage": usage})
+        await self.door.event(response, "[DONE]")
+        await response.write_eof()
+        return response
+
+    def logprobs(self, meta: dict[str, Any], msg: Generate | None, chat: bool) -> Any:
+        if msg is None or not msg.return_logprob or "output_token_logprobs" not in meta:
+            return None
+        entries = meta["output_token_logprobs"]
+        ids = [e[1] for e in entries]
+        texts = self.door.token_texts(ids)
+        tops = meta.get("output_top_logprobs") or [[] for _ in entries]
+        top_texts = [self.door.token_texts([t for _, t in top]) for top in tops]
+        if chat:
+            content = []
+            for (lp, _, _), text, top, names in zip(entries, texts, tops, top_texts):
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": s, "logprob": tlp, "bytes": list(s.encode())}
+                            for (tlp, _), s in zip(top, names)
+                        ],
+                    }
+                )
+            return {"content": content}
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [e[0] for e in entries],
+            "top_logprobs": [
+                {s: tlp for (tlp, _), s in zip(top, names)} for top, names in zip(tops, top_texts)
+            ],
+            "text_offset": offsets,
+        }
+
+    def usage(self, metas: list[dict[str, Any]], msgs: list[Any]) -> dict[str, Any]:
+        """Prompt tokens once per prompt (its n choices share it); cached tokens of a prompt
+        are the least any of its choices found cached (what was there before this request)."""
+        by_prompt: dict[int, list[dict[str, Any]]] = {}
+        for meta, msg in zip(metas, msgs):
+            key = id(msg.input_ids) if msg is not None else id(meta)
+            by_prompt.setdefault(key, []).append(meta)
+        prompt = sum(group[0]["prompt_tokens"] for group in by_prompt.values())
+        cached = sum(min(m.get("cached_tokens", 0) for m in group) for group in by_prompt.values())
+        completion = sum(m["completion_tokens"] for m in metas)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def response_format(value: Any) -> dict[str, Any]:
+    """OpenAI's response_format as a constraint: json_object a JSON object (of scalar values,
+    see JSON_OBJECT), json_schema the given schema (both through the constrained decoder)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or value.get("type") not in (
+        "text",
+        "json_object",
+        "json_schema",
+    ):
+        raise HttpError(
+            400, "response_format.type must be text, json_object or json_schema", "response_format"
+        )
+    if value["type"] == "text":
+        return {}
+    if value["type"] == "json_object":
+        return {"json_schema": json.dumps(JSON_OBJECT)}
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise HttpError(
+            400, "response_format.json_schema.schema must be an object", "response_format"
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
+def finish(meta: dict[str, Any]) -> dict[str, Any]:
+    reason = meta.get("finish_reason") or {}
+    matched = reason.get("matched")
+    return {"finish_reason": reason.get("type"), "matched_stop": matched}
