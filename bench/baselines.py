@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
 from radixflow.bench.rounds import Arrivals, BenchError, RoundResult, System, argmax, diffs
 
 HF_MAX_ROWS, HF_MAX_TOKENS = 64, 32768  # the naive server's batch: rows, padded tokens
@@ -37,7 +42,6 @@ class StepClock:
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Any, Any]:
     """-> (input_ids, attention_mask), both (batch, max_len), padded on the left."""
-    import torch
 
     width = max(map(len, seqs))
     ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs])
@@ -48,7 +52,6 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Any, Any]:
 def score_options(model: Any, calls: list[Any], pad_id: int) -> tuple[list[int], int]:
     """Select by one forward pass over every prefix + option, nothing reused:
     -> (chosen option per call, padded tokens computed)."""
-    import torch
 
     seqs = [[*c.input_ids, *o] for c in calls for o in c.options]
     keep = max(len(o) for c in calls for o in c.options) + 1
@@ -121,8 +124,6 @@ class TransformersSystem(System):
         return result
 
     def _generate(self, calls: list[Any]) -> tuple[list[list[int]], list[float], int]:
-        import torch
-        from transformers import GenerationConfig
 
         ids, mask = left_pad([list(c.input_ids) for c in calls], self.pad_id)
         config = GenerationConfig(
@@ -147,7 +148,6 @@ class TransformersCBSystem(System):
     name = "transformers-cb"
 
     def __init__(self, model: Any, pad_id: int) -> None:
-        from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
         self.model, self.pad_id, self.manager, self.matched = model, pad_id, None, 0
         original = PagedAttentionCache.search_prefix_match
@@ -161,8 +161,6 @@ class TransformersCBSystem(System):
         self._unpatch = lambda: setattr(PagedAttentionCache, "search_prefix_match", original)
 
     def start_workload(self) -> None:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=self.pad_id)
         paging = ContinuousBatchingConfig(  # sized like radixflow's defaults, not from free RAM

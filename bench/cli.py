@@ -19,15 +19,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from tqdm import tqdm
+
+from radixflow.bench import baselines
 from radixflow.bench import report as out
+from radixflow.bench.dsl import PROGRAMS, DslSystem
+from radixflow.bench.engine import SCHEDULER_MODES, RadixflowSystem
 from radixflow.bench.harness import run_workload, warm_up
+from radixflow.bench.roofline import best_of, compute_roofline
 from radixflow.bench.rounds import BenchError
 from radixflow.bench.workloads import WORKLOADS, Workload, server_codec
+from radixflow.runtime.engine import Engine
+from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf, resolve_model_dir
+from radixflow.runtime.tokenizer import load_tokenizer
 
 SYSTEMS = (
     "radixflow",
@@ -51,16 +63,11 @@ class Models:
 
     def radixflow(self) -> Any:
         if self.engine is None:
-            from radixflow.runtime.engine import Engine
-
             self.engine = Engine(model=self.model)
         return self.engine
 
     def transformers(self) -> tuple[Any, int]:
         if self.hf is None:
-            import torch
-            import transformers
-
             transformers.logging.set_verbosity_error()
             transformers.utils.logging.disable_progress_bar()
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -70,7 +77,6 @@ class Models:
         return self.hf, pad if pad is not None else 0
 
     def release(self, remaining: list[str]) -> None:
-        import gc
 
         needs_engine = {"radixflow", "radixflow-nocache"} & set(remaining)
         if not needs_engine and self.engine is not None:
@@ -83,14 +89,10 @@ class Models:
 
 def make_system(name: str, models: Models) -> Any:
     """The system `name`; raises BenchError (with the reason) when it cannot run here."""
-    from radixflow.bench import baselines
-    from radixflow.bench.engine import RadixflowSystem
 
     if name == "radixflow":
         return RadixflowSystem(name, models.radixflow(), owned=False)
     if name == "radixflow-dsl":
-        from radixflow.bench.dsl import DslSystem
-
         return DslSystem(models.model, models.threads)
     if name == "radixflow-nocache":
         engine = models.radixflow().with_config(disable_radix_cache=True)
@@ -106,8 +108,6 @@ def make_system(name: str, models: Models) -> Any:
     if not python:
         raise BenchError(f"skipped: not installed (set {WORKER_ENV[name]} to its venv's python)")
     if name == "llama.cpp":
-        from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf
-
         if models.model not in BUILTIN_MODELS and not models.model.endswith(".gguf"):
             raise BenchError("skipped: llama.cpp needs a GGUF model")
         gguf = builtin_gguf(models.model) if models.model in BUILTIN_MODELS else models.model
@@ -120,7 +120,6 @@ def make_system(name: str, models: Models) -> Any:
 
 def run_scheduler_modes(engine: Any, make: Any) -> list[dict[str, Any]]:
     """long_mix under static batching (waves), continuous, and continuous + chunked prefill."""
-    from radixflow.bench.engine import SCHEDULER_MODES, RadixflowSystem
 
     rows = []
     for mode, changes in SCHEDULER_MODES.items():
@@ -137,7 +136,6 @@ def run_system(
     system: Any, workloads: list[str], make: Any, references: dict, progress: Any
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """One system on every workload it has a form for -> (rows, workloads it skipped)."""
-    from radixflow.bench.dsl import PROGRAMS
 
     rows, skipped = [], []
     for workload in workloads:
@@ -157,7 +155,6 @@ def run_all(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, str]]]:
     """Every system on every workload, one system at a time (its stack loaded once), with a
     progress bar. -> (rows, scheduler-mode rows, skipped systems with the reason)."""
-    from tqdm import tqdm
 
     modes = with_modes and "radixflow" in systems and "long_mix" in workloads
     rows, mode_rows, skipped, references = [], [], [], {}
@@ -227,13 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return out.replot(args.from_json, args.plot)
-    from radixflow.bench.roofline import best_of, compute_roofline
-    from radixflow.runtime.models.loader import resolve_model_dir
-    from radixflow.runtime.tokenizer import load_tokenizer
 
     if args.threads:  # on a shared machine, fewer threads than cores avoids OpenMP stalls
-        import torch
-
         torch.set_num_threads(args.threads)
     workloads = pick(args.workloads, tuple(WORKLOADS), "workload")
     systems = pick(args.systems, SYSTEMS, "system")

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from radixflow.bench.rounds import RoundResult, System, mean, percentile
 from radixflow.bench.workloads import Workload, best_hit_rate, prompts_of
 
@@ -40,7 +42,6 @@ class RssSampler:
         self._thread.join()
 
     def _run(self) -> None:
-        import psutil
 
         root, tree, listed = psutil.Process(self.pid), [], -float("inf")
         while True:

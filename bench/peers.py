@@ -17,7 +17,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 if __package__:  # imported as radixflow.bench.peers
     from radixflow.bench import rounds
@@ -35,7 +38,6 @@ argmax, diffs, mean = rounds.argmax, rounds.diffs, rounds.mean
 
 def worker_main(kind: str) -> None:
     """Serve one peer over JSON lines on stdin/stdout (runs in the peer's own venv)."""
-    from types import SimpleNamespace
 
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the libraries' own prints go to the log, not into the protocol
@@ -91,7 +93,7 @@ class LlamaCppBackend:
     GREEDY = -1  # a decode entry's `want`: its greedy next token (>= 0: that token's logprob)
 
     def __init__(self, model_path: str, n_ctx: int, threads: int) -> None:
-        import llama_cpp
+        import llama_cpp  # noqa: PLC0415 (optional peer, its own venv)
 
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
@@ -246,7 +248,6 @@ class LlamaCppBackend:
         """Evaluate (seq, position, token, want) entries, n_batch at a time. -> for each entry
         with a want, in order: (its greedy next token, or the logprob of token `want`, the
         time its batch finished). Out of cells: evict finished sequences and retry."""
-        import numpy as np
 
         values, batch = [], self.batch
         for start in range(0, len(entries), self.n_batch):
@@ -281,7 +282,7 @@ class VllmBackend:
 
     def __init__(self, model_path: str, max_model_len: int) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
-        from vllm import LLM
+        from vllm import LLM  # noqa: PLC0415 (optional peer, its own venv)
 
         self.llm = LLM(
             model=model_path,
@@ -296,7 +297,7 @@ class VllmBackend:
         self.llm.reset_prefix_cache()
 
     def run_round(self, calls: list[Any]) -> RoundResult:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # noqa: PLC0415 (optional peer, its own venv)
 
         arrivals, result = Arrivals(calls, time.monotonic()), RoundResult([None] * len(calls))
         live: dict[str, tuple[int, int]] = {}  # request id -> (call, option index)

@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
+from radixflow.bench.roofline import roofline_note
+
 COLUMNS = (
     ("workload", "workload", "{}"),
     ("system", "system", "{}"),
@@ -80,11 +85,11 @@ def speedup_table(ratios: list[dict[str, Any]]) -> str:
 def plot_speedups(ratios: list[dict[str, Any]], path: str, title: str) -> str:
     """A PNG bar chart of the speedups (log scale); returns what happened."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 (optional: the bench extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
+        import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: the bench extra)
+        import matplotlib.ticker  # noqa: PLC0415 (optional: the bench extra)
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install matplotlib)"
     baselines = list(dict.fromkeys(r["baseline"] for r in ratios))
@@ -111,8 +116,6 @@ def plot_speedups(ratios: list[dict[str, Any]], path: str, title: str) -> str:
 
 
 def machine_info(model: str, quick: bool) -> dict[str, Any]:
-    import torch
-    import transformers
 
     cpuinfo = Path("/proc/cpuinfo")
     names = [
@@ -151,7 +154,6 @@ def agreement_note(rows: list[dict[str, Any]]) -> str | None:
 
 def report(args: Any, machine: dict[str, Any], runs: tuple) -> None:
     """Print the tables; write the JSON and the chart when asked."""
-    from radixflow.bench.roofline import roofline_note
 
     rows, mode_rows, skipped = runs
     ratios = speedups(rows)

@@ -8,6 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from radixflow.runtime.models import prepack
+
 MAX_DISTINCT_BYTES = 2 << 30  # distinct layer weights the roofline allocates at most
 
 
@@ -24,9 +28,6 @@ def compute_roofline(model_dir: Path, batch: int = 64) -> dict[str, Any]:
     engine's own matmuls must not beat its roofline. The figure of the first definition
     (`F.linear` over one layer's weights, reused by every layer, which can stay in cache) is
     kept as `roofline_reused_tokens_per_s`."""
-    import torch
-
-    from radixflow.runtime.models import prepack
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]

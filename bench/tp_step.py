@@ -23,6 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from radixflow.runtime import Engine
+from radixflow.runtime.distributed.tensor_parallel import TensorParallel
+
 PROMPT = "Write a long story about a robot who learns to paint. Chapter {}:"
 
 
@@ -38,7 +43,6 @@ def _timed(calls: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
 
 
 def measure(model: str, tp: int, batches: list[int], steps: int, threads: int) -> list[dict]:
-    from radixflow.runtime import Engine
 
     rows = []
     engine = Engine(model=model, tp_size=tp, num_threads=threads, max_total_tokens=16384)
@@ -72,9 +76,6 @@ def measure(model: str, tp: int, batches: list[int], steps: int, threads: int) -
 
 def collective_latency(rank: int, addr: str, shapes: list[tuple[int, int]], reps: int) -> dict:
     """Two ranks all-reduce (rows, hidden) fp32 back to back: ms per call, by shape."""
-    import torch
-
-    from radixflow.runtime.distributed.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
     listen = None

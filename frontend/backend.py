@@ -39,6 +39,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from radixflow.chat_template import template_for_model
 from radixflow.http_endpoint import HttpEndpointMethods, HttpTransport
 from radixflow.runtime.config import config_from_kwargs
 from radixflow.runtime.protocol.messages import (
@@ -356,7 +357,6 @@ class RuntimeEndpoint:
         return self.model_info()["model_path"]
 
     def get_chat_template(self) -> Any:
-        from radixflow.chat_template import template_for_model
 
         return template_for_model(self.model_info())
 
@@ -483,7 +483,7 @@ class Runtime:
         return self.endpoint.generate(prompt, sampling_params, **kwargs)
 
     def get_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer  # only here: the frontend stays torch-free
+        from transformers import AutoTokenizer  # noqa: PLC0415 (optional: the frontend stays torch-free; only when a tokenizer is asked for)
 
         return AutoTokenizer.from_pretrained(self.endpoint.model_info()["model_path"])
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
@@ -90,7 +92,6 @@ MARK = {r: f"@@{r.upper()}@@" for r in ROLES}
 
 
 def _jinja_renderer(source: str, model_info: dict[str, Any]) -> Render:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise ValueError(message)

@@ -57,8 +57,11 @@ CPU_OPS = AttentionOps(
 def triton_ops() -> AttentionOps:
     """The Triton kernels (imported lazily: triton is optional on CPU machines). Decode
     reads KV runs shared by several requests once per group (`decode_layout`)."""
-    from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
-    from radixflow.kernels.triton.extend_attention import extend_attention
+    from radixflow.kernels.triton.decode_attention import (  # noqa: PLC0415 (triton)
+        decode_attention,
+        decode_layout,
+    )
+    from radixflow.kernels.triton.extend_attention import extend_attention  # noqa: PLC0415 (triton)
 
     return AttentionOps(
         "triton", extend_attention, decode_attention, reference.store_kv, None, decode_layout

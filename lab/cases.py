@@ -19,6 +19,10 @@ import random
 import time
 from typing import Any
 
+from radixflow.bench.workloads import WORDS, WORKLOADS, Call, Codec, Workload, server_codec
+from radixflow.lab.profiles import load_profile
+from radixflow.lab.simulate import VirtualClock, drive, sim_scheduler, word_codec
+from radixflow.runtime import Engine
 from radixflow.runtime.config import ServerConfig, config_from_args
 
 
@@ -28,7 +32,6 @@ def _sentence(rng: random.Random, words: list[str], n: int) -> str:
 
 def lab_workload(name: str, codec: Any, quick: bool = False) -> Any:
     """A lab case as a bench Workload (rounds of Calls). Raises ValueError if unknown."""
-    from radixflow.bench.workloads import WORDS, WORKLOADS, Call, Workload  # noqa: PLC0415
 
     if name in WORKLOADS:
         return WORKLOADS[name](codec, quick)
@@ -80,12 +83,8 @@ def run_case(
 ) -> tuple[dict[str, Any], float]:
     """Run workload `name` on `config`: in simulate (a profile name or file), on `engine`
     (tests pass one sharing loaded weights), or on a new Engine. -> (stats, best hit rate)."""
-    from radixflow.bench.workloads import Codec, server_codec  # noqa: PLC0415
-    from radixflow.lab.simulate import VirtualClock, drive, sim_scheduler, word_codec
 
     if simulate:
-        from radixflow.lab.profiles import load_profile  # noqa: PLC0415
-
         clock, codec = VirtualClock(), word_codec()
         scheduler = sim_scheduler(config, load_profile(simulate), codec, clock)
         row = drive(
@@ -94,8 +93,6 @@ def run_case(
         return scheduler.stats(), row["best_hit_rate"]
     owned = engine is None
     if owned:
-        from radixflow.runtime import Engine  # noqa: PLC0415
-
         engine = Engine(**dataclasses.asdict(config))
     try:
         workload = lab_workload(name, server_codec(engine.tokenizer), quick)

@@ -21,11 +21,20 @@ from typing import Any
 
 from radixflow.bench import cli as bench_cli
 from radixflow.lab.diagnose import diagnose_main, diagnose_parser
+from radixflow.lab.profiles import RooflineProfile, load_profile, save_profile
+from radixflow.lab.simulate import MODES, calibrate, simulate_modes
 from radixflow.lab.tree import tree_main, tree_parser
 from radixflow.runtime import cli as runtime_cli
 from radixflow.runtime.config import ServerConfig, add_config_arguments, config_from_args
 
 LAB_COMMANDS = ("simulate", "diagnose", "tree")
+USAGE = """usage: radixflow COMMAND [options]   (radixflow COMMAND --help for each)
+
+  serve      run the runtime server (the default: `radixflow --model-path smollm2`)
+  bench      the benchmark suite: radixflow and its peers on the same workloads
+  diagnose   name the scheduler's bottleneck on a live server or a workload
+  simulate   the real scheduler against a cost model, in virtual time
+  tree       a picture of a live server's radix tree"""
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -73,8 +82,6 @@ def simulate_parser(commands: Any) -> None:
 
 
 def simulate_main(args: argparse.Namespace) -> int:
-    from radixflow.lab.profiles import RooflineProfile, load_profile, save_profile
-    from radixflow.lab.simulate import MODES, calibrate, simulate_modes
 
     if args.calibrate:
         changes = explicit_changes(args)
@@ -153,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     """`radixflow COMMAND ...`: the lab's commands here, `bench` and `serve` (the default)
     handed to their own parsers."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     if argv and argv[0] == "bench":
         return bench_cli.main(argv[1:])
     if not argv or argv[0] not in LAB_COMMANDS:

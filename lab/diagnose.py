@@ -24,6 +24,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from radixflow import RuntimeEndpoint
+from radixflow.lab.cases import config_with_file, run_case
+from radixflow.runtime.config import add_config_arguments
+
 THRESHOLD = 0.3
 STALL_TOKENS = 256  # a prefill this large beside decodes stalls them (on any device)
 
@@ -236,7 +240,6 @@ def diagnose(
 
 
 def diagnose_parser(commands: Any) -> None:
-    from radixflow.runtime.config import add_config_arguments  # noqa: PLC0415
 
     p = commands.add_parser("diagnose", help="name the scheduler's bottleneck and what to tune")
     p.add_argument("--url", help="a live server: tcp://HOST:PORT or http://HOST:PORT")
@@ -253,7 +256,6 @@ def diagnose_parser(commands: Any) -> None:
 
 
 def diagnose_main(args: argparse.Namespace, unknown: list[str]) -> int:
-    from radixflow.lab.cases import config_with_file, run_case  # noqa: PLC0415
 
     flags: list[str] = []
     for token in unknown:  # "--flag value" pairs stay together
@@ -280,7 +282,6 @@ def diagnose_main(args: argparse.Namespace, unknown: list[str]) -> int:
 def read_stats(url: str, api_key: str = "") -> dict[str, Any]:
     """The scheduler stats of a live server: ZeroMQ `stats` (tcp://), or HTTP /server_info's
     internal_states (http://, where the frontend speaks it)."""
-    from radixflow import RuntimeEndpoint  # noqa: PLC0415
 
     endpoint = RuntimeEndpoint(url, api_key=api_key) if api_key else RuntimeEndpoint(url)
     try:

@@ -16,14 +16,18 @@ and off.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from radixflow.lab.profiles import Profile, StepShape
+from radixflow.bench.workloads import WORDS, WORKLOADS, Codec, best_hit_rate, prompts_of
+from radixflow.lab.profiles import LinearProfile, Profile, StepShape
+from radixflow.runtime import Engine
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
@@ -176,7 +180,6 @@ def drive(
 ) -> dict[str, Any]:
     """Run every round of a bench workload on `scheduler`, stepping it here; measure like
     `radixflow bench` (wall = the rounds' time on `clock`)."""
-    from radixflow.bench.workloads import best_hit_rate, prompts_of  # noqa: PLC0415
 
     ttfts: list[float] = []
     itls: list[float] = []
@@ -247,7 +250,6 @@ def drive(
 
 
 def bench_workload(name: str, codec: WordCodec, quick: bool) -> Any:
-    from radixflow.bench.workloads import WORKLOADS, Codec  # noqa: PLC0415
 
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; one of {sorted(WORKLOADS)}")
@@ -255,7 +257,6 @@ def bench_workload(name: str, codec: WordCodec, quick: bool) -> Any:
 
 
 def word_codec() -> WordCodec:
-    from radixflow.bench.workloads import WORDS  # noqa: PLC0415
 
     return WordCodec(list(WORDS))
 
@@ -300,11 +301,6 @@ def calibrate(model: str = "smollm2", **config: Any) -> Any:
     """Measure this machine: prefill (chunked and whole, up to 3,000 tokens), decode (batch
     1..16, short and long KV) and mixed steps on the real model, then fit a LinearProfile.
     Loads the model (torch)."""
-    import os  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from radixflow.lab.profiles import LinearProfile  # noqa: PLC0415
-    from radixflow.runtime import Engine  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     with Engine(model=model, **config) as engine:

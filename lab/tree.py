@@ -113,7 +113,7 @@ def render_png(dump: dict[str, Any], path: str, title: str = "") -> None:
     import matplotlib  # noqa: PLC0415 (optional, heavy)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional, heavy)
 
     order = eviction_order(dump)  # ranks of the real leaves; chains end on them
     dump = collapse(dump)

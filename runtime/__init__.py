@@ -13,15 +13,15 @@ __all__ = ["Engine", "ServerConfig", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from radixflow.runtime.engine import Engine
+        from radixflow.runtime.engine import Engine  # noqa: PLC0415 (torch: not for the frontend)
 
         return Engine
     if name == "ServerConfig":
-        from radixflow.runtime.config import ServerConfig
+        from radixflow.runtime.config import ServerConfig  # noqa: PLC0415 (lazy, as Engine)
 
         return ServerConfig
     if name == "SamplingParams":
-        from radixflow.runtime.protocol.sampling import SamplingParams
+        from radixflow.runtime.protocol.sampling import SamplingParams  # noqa: PLC0415 (lazy, as Engine)
 
         return SamplingParams
     raise AttributeError(name)

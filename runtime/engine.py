@@ -25,6 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.constrained.grammar import GrammarBackend
+from radixflow.runtime.distributed.tensor_parallel import start_rank0
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
 from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
 from radixflow.runtime.model_executor.model_runner import (
@@ -73,8 +75,6 @@ def load(config: ServerConfig) -> LoadedModel:
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
     if config.tp_size > 1:  # torch.distributed only on this path
-        from radixflow.runtime.distributed.tensor_parallel import start_rank0  # noqa: PLC0415
-
         model, tp = start_rank0(config, model_dir)
         return LoadedModel(model, tokenizer, model_dir, hf_config, tp)
     device = pick_device(config.device)
@@ -147,7 +147,6 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
 def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
-    from radixflow.runtime.constrained.grammar import GrammarBackend  # noqa: PLC0415 (heavy)
 
     return GrammarBackend(
         tokenizer,

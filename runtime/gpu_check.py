@@ -26,6 +26,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,27 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from radixflow.bench.engine import RadixflowSystem
+from radixflow.bench.harness import run_workload, warm_up
+from radixflow.bench.workloads import Call, few_shot, independent, server_codec, tree_of_thought
+from radixflow.kernels import reference
+from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
+from radixflow.kernels.triton.extend_attention import extend_attention
+from radixflow.kernels.triton.shared_prefix_attention import (
+    LAYOUT_TENSORS,
+    DecodeLayout,
+    host_decode_layout,
+    pad_layout,
+)
+from radixflow.runtime.engine import Engine
+from radixflow.runtime.model_executor.cuda_graph import ENTRIES_PER_REQUEST, graph_batch_sizes
+from radixflow.runtime.model_executor.model_runner import ModelRunner
+from radixflow.runtime.models.loader import resolve_model_dir
 
 BANDWIDTH = 4.8e12  # bytes/s: the H200's HBM3e
 ROW_FIELDS = ("output_tokens", "wall_s", "tokens_per_s", "cache_hit_rate", "ttft_mean_s")
@@ -52,12 +74,6 @@ def chat(text: str) -> str:
 def tiny_model_dir(root: Path) -> Path:
     """A random 2-layer Llama with SmolLM2's tokenizer, head layout (GQA 3) and vocabulary,
     saved as a Hugging Face directory: the dry run's model (fast on a busy CPU)."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from radixflow.runtime.models.loader import resolve_model_dir
 
     source = resolve_model_dir("smollm2")
     config = LlamaConfig(
@@ -105,7 +121,6 @@ def kernel_tests() -> dict[str, Any]:
 def tree_batch(device: Any, dtype: Any, dry: bool) -> tuple[Any, ...]:
     """Pools and a tree-of-thought decode batch as the radix tree lays it out: problems
     (runs) x branches (runs) x leaves (own keys), plus unrelated requests."""
-    import torch
 
     gen = torch.Generator().manual_seed(0)
     problems, branches, leaves, run, branch_run, tail, others = (
@@ -136,18 +151,6 @@ def tree_batch(device: Any, dtype: Any, dry: bool) -> tuple[Any, ...]:
 
 def kernels(device: Any, dry: bool) -> dict[str, Any]:
     """Each Triton kernel against the reference; max abs errors."""
-    import torch
-
-    from radixflow.kernels import reference
-    from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
-    from radixflow.kernels.triton.extend_attention import extend_attention
-    from radixflow.kernels.triton.shared_prefix_attention import (
-        LAYOUT_TENSORS,
-        DecodeLayout,
-        host_decode_layout,
-        pad_layout,
-    )
-    from radixflow.runtime.model_executor.cuda_graph import ENTRIES_PER_REQUEST, graph_batch_sizes
 
     dtype = torch.float32 if dry else torch.bfloat16
     atol = 1e-5 if dry else 2e-2
@@ -194,10 +197,6 @@ def kernels(device: Any, dry: bool) -> dict[str, Any]:
 def host_layout_ms() -> dict[str, Any]:
     """Milliseconds of host work per graphed decode step to find and pad the shared runs
     (`host_decode_layout` + `pad_layout`) at 256 streams: on the critical path of a step."""
-    import numpy as np
-    import torch
-
-    from radixflow.kernels.triton.shared_prefix_attention import host_decode_layout, pad_layout
 
     result = {}
     for name, shared, own in (("independent_x256", 0, 100), ("shared_1000_x256", 1000, 50)):
@@ -219,8 +218,6 @@ def host_layout_ms() -> dict[str, Any]:
 
 def transformers_equality(engine: Any, new: int) -> dict[str, Any]:
     """Greedy tokens of `engine` == transformers' generate on the same converted weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     device = engine.model_info["device"]
     dtype = getattr(torch, engine.model_info["dtype"])
@@ -255,7 +252,6 @@ def transformers_equality(engine: Any, new: int) -> dict[str, Any]:
 def graph_runner(engine: Any, backend: str, max_bs: int) -> Any:
     """Give `engine` a fresh ModelRunner with decode graphs (the "record" backend on CPU);
     a check-only swap through the scheduler, with the pool's own size and the config's."""
-    from radixflow.runtime.model_executor.model_runner import ModelRunner
 
     config, scheduler = engine.config, engine.scheduler
     runner = ModelRunner(
@@ -321,7 +317,6 @@ def roofline(engine: Any, streams: int, avg_kv_len: float) -> float:
 
 def release() -> None:
     """Return the memory of engines shut down and dropped (their KV pools and graphs)."""
-    import torch
 
     gc.collect()
     if torch.cuda.is_available():
@@ -330,9 +325,6 @@ def release() -> None:
 
 def bench_rows(engine: Any, dry: bool) -> list[dict[str, Any]]:
     """The throughput table, one Engine per (cache, shared prefix, graphs) configuration."""
-    from radixflow.bench.engine import RadixflowSystem
-    from radixflow.bench.harness import run_workload, warm_up
-    from radixflow.bench.workloads import Call, few_shot, independent, server_codec, tree_of_thought
 
     codec = server_codec(engine.tokenizer)
     streams = (1, 4, 8) if dry else (1, 64, 256)
@@ -389,9 +381,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run(dry: bool, model: str) -> dict[str, Any]:
-    import torch
-
-    from radixflow.runtime.engine import Engine
 
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA device (or --dry-run on CPU)")

@@ -54,7 +54,7 @@ def _load() -> Any | None:
     if os.environ.get("RADIXFLOW_DECODE_LOOP", "1") == "0" or native.library() is None:
         return None
     try:
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # noqa: PLC0415 (slow import: only when the extension is built)
 
         key = hashlib.sha256(f"{SOURCE.read_text()}\0{torch.__version__}".encode()).hexdigest()
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")

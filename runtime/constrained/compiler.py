@@ -17,6 +17,7 @@ index (`compile_index`), which report every problem as a GrammarError naming it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -302,8 +303,6 @@ def _recv(conn: Connection) -> Any:
 def _die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when its parent dies, even mid-compilation."""
     try:
-        import ctypes  # noqa: PLC0415
-
         ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
         pass

@@ -25,6 +25,7 @@ itself dies, everything stops and the exit code is 1.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import logging
@@ -109,7 +110,7 @@ def replica_flags(config: ServerConfig) -> list[str]:
 def uses_cuda(config: ServerConfig) -> bool:
     if config.device != "auto":
         return config.device == "cuda"
-    import torch  # only to decide; the replicas load the model
+    import torch  # noqa: PLC0415 (heavy: the supervisor only decides; the replicas load the model)
 
     return torch.cuda.is_available()
 
@@ -280,8 +281,6 @@ def die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM it when the supervisor dies, even by SIGKILL,
     so no replica outlives it."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 

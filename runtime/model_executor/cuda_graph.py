@@ -170,7 +170,7 @@ class DecodeGraphs:
 
     def _layout(self, size: int) -> object:
         """The fixed-size DecodeLayout the kernels read in the graph of `size` requests."""
-        from radixflow.kernels.triton.shared_prefix_attention import DecodeLayout  # noqa: PLC0415
+        from radixflow.kernels.triton.shared_prefix_attention import DecodeLayout  # noqa: PLC0415 (triton)
 
         groups, entries = max(size - 1, 0), ENTRIES_PER_REQUEST * size
         return DecodeLayout(

@@ -15,6 +15,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+import torch
+
 from radixflow.runtime.config import ServerConfig
 
 log = logging.getLogger("radixflow.kv")
@@ -59,10 +62,7 @@ def tokens_for_memory(free_bytes: int, fraction: float, bytes_per_token: int, pa
 def free_memory_bytes(device: Any) -> int:
     """Free memory on `device` now: CUDA free memory, or available RAM on CPU."""
     if getattr(device, "type", str(device)) == "cuda":
-        import torch  # noqa: PLC0415 (only here, on CUDA)
-
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil  # noqa: PLC0415
 
     return int(psutil.virtual_memory().available)
 

@@ -96,7 +96,7 @@ class StepInputs:
             **dict(zip(BATCH_ARRAYS, tensors[: len(BATCH_ARRAYS)])),
         )
         if plan.num_extend_tokens and self.host_layout:  # the grid size, without a sync
-            from radixflow.kernels.triton.extend_attention import ExtendLayout  # noqa: PLC0415
+            from radixflow.kernels.triton.extend_attention import ExtendLayout  # noqa: PLC0415 (triton)
 
             longest = int(np.diff(plan.extend_qo_indptr).max())
             batch.layouts["extend", 0] = ExtendLayout(longest)

@@ -137,7 +137,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_hf_config(model_dir: Path) -> Any:
     """transformers' config object for a local directory (never remote code), so fields a
     config class derives (layer types, rope parameters) are derived as transformers does."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 (heavy: only when a model is converted)
 
     try:
         return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
@@ -171,9 +171,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     transformers refuses `save_pretrained` on a GGUF-loaded model, so the state dict and a
     config without `quantization_config` are written by hand.
     """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # noqa: PLC0415 (heavy: only when a model is converted)
+    from safetensors.torch import save_file  # noqa: PLC0415 (heavy: only when a model is converted)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy: only when a model is converted)
 
     folder, filename = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)

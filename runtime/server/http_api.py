@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -43,6 +44,8 @@ from radixflow.runtime.server.http_request import (
     request_error,
     typed,
 )
+from radixflow.runtime.server.metrics import CONTENT_TYPE
+from radixflow.runtime.server.openai_api import OpenAiRoutes
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -92,7 +95,6 @@ class HttpDoor:
     """The aiohttp application of one Server; `start` binds it on the server's loop."""
 
     def __init__(self, server: Any) -> None:
-        from radixflow.runtime.server.openai_api import OpenAiRoutes
 
         self.server = server
         self.app = web.Application(
@@ -304,7 +306,6 @@ class HttpDoor:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
-        import dataclasses
 
         config = dataclasses.asdict(self.server.config)
         config.pop("api_key")
@@ -398,7 +399,6 @@ class HttpDoor:
         return json_response(data)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from radixflow.runtime.server.metrics import CONTENT_TYPE
 
         body = self.server.metrics.render()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -70,9 +70,11 @@ from radixflow.runtime.protocol.transport import (
     make_ipc_dir,
     remove_ipc_dir,
 )
+from radixflow.runtime.server.http_api import HttpDoor
 from radixflow.runtime.server.jobs import FlushJob, GenerateJob, Job, ScoreJob, prefill_spec
 from radixflow.runtime.server.metrics import Metrics, load_summary
 from radixflow.runtime.server.zmq_door import ZmqDoor
+from radixflow.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger("radixflow.server")
 
@@ -174,7 +176,6 @@ class Server:
     async def run(self, announce: Callable[[str, str], None]) -> None:
         """The loop, until request_stop: bind HTTP, call `announce(http_url, zmq_address)`,
         then serve both doors; at the end every request in flight gets its final answer."""
-        from radixflow.runtime.server.http_api import HttpDoor  # aiohttp only in the server process
 
         assert self.zmq.router is not None, "start() first"
         loop = asyncio.get_running_loop()
@@ -286,8 +287,6 @@ class Server:
 
     def _on_ready(self, msg: SchedulerReady) -> None:
         if self.tokenizer is None:
-            from radixflow.runtime.tokenizer import load_tokenizer
-
             self.tokenizer = load_tokenizer(msg.model_info["model_path"], self.config.chat_template)
         self.model_info = msg.model_info
         self.status, self.failed_starts = "ok", 0
