@@ -55,9 +55,11 @@ _EXPORTS = {
         "token_length_normalized",
         "unconditional_likelihood_normalized",
     ),
-    "radixflow.interpreter": ("ProgramError", "ProgramState", "ProgramStateGroup"),
+    "radixflow.interpreter": ("ProgramError",),
+    "radixflow.state": ("ProgramState", "ProgramStateGroup"),
     "radixflow.ir": ("REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "REGEX_STRING"),
-    "radixflow.backend": ("Runtime", "RuntimeEndpoint", "RuntimeEndpointError"),
+    "radixflow.backend": ("Runtime", "RuntimeEndpoint"),
+    "radixflow.transport": ("RuntimeEndpointError",),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 

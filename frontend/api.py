@@ -1,7 +1,7 @@
 """The DSL surface: gen, select, roles, the @function decorator and the default backend.
 
 Constructors only build frozen expressions (they never block or call the runtime); the
-sampling fields come from runtime.sampling.SamplingParams, the one definition of them.
+sampling fields come from runtime.protocol.sampling.SamplingParams, the one definition of them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 
 from radixflow.chat_template import ChatTemplate
 from radixflow.choices import ChoicesSamplingMethod, token_length_normalized
-from radixflow.interpreter import ProgramState, resolve_backend, run_program, run_program_batch
 from radixflow.ir import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, as_expr, flatten
+from radixflow.run import resolve_backend, run_program, run_program_batch
 from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.state import ProgramState
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"choices"}
 LOGPROB_FIELDS = frozenset(

@@ -5,25 +5,15 @@
     runtime.url                                      # http://127.0.0.1:P (SGLang, OpenAI /v1)
     runtime.shutdown()
 
-`RuntimeEndpoint("tcp://...")` speaks radixflow's ZeroMQ protocol (below);
-`RuntimeEndpoint("http://...")` speaks SGLang's HTTP API (`radixflow.http_endpoint`), with the
-same methods, so a program runs against either door, or against an SGLang server.
-
-One RuntimeEndpoint is shared by many program threads: a background I/O thread owns the
-DEALER socket, callers hand it frames through a queue (and a wake-up pipe) and wait on a
-per-request reply queue. The I/O thread pings the server while requests are in flight (the
-server aborts requests of silent clients) and watches the connection: when it drops, every
-waiting call fails at once with RuntimeEndpointError, and no call waits past its timeout.
-The protocol is specified in `radixflow.runtime.protocol.messages`.
+One RuntimeEndpoint class over a transport chosen by the address: `RuntimeEndpoint("tcp://...")`
+speaks radixflow's ZeroMQ protocol (`radixflow.zmq_transport`), `RuntimeEndpoint("http://...")`
+SGLang's HTTP API (`radixflow.http_transport`), so a program runs against either door, or
+against an SGLang server, with the same methods and errors.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
-import math
-import os
 import queue
 import re
 import signal
@@ -31,191 +21,33 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import zmq
-import zmq.utils.monitor
-
-from radixflow.chat_template import template_for_model
-from radixflow.http_endpoint import HttpEndpointMethods, HttpTransport
+from radixflow.chat_template import ChatTemplate, template_for_model
+from radixflow.http_transport import HttpTransport
 from radixflow.runtime.config import config_from_kwargs
-from radixflow.runtime.protocol.messages import (
-    CLIENT_REPLIES,
-    ERROR_DISCONNECTED,
-    ERROR_TIMEOUT,
-    PING_INTERVAL_S,
-    Abort,
-    CachePrefix,
-    Chunk,
-    Error,
-    FlushCache,
-    Generate,
-    Health,
-    ModelInfo,
-    Ping,
-    ProtocolError,
-    Score,
-    Stats,
-    decode,
-    encode,
-)
+from radixflow.transport import GenerateRequest, RuntimeEndpointError, Transport
+from radixflow.zmq_transport import ZmqTransport
 
-CONNECT_TIMEOUT_S = 10.0  # longest wait for the first connection before a call fails
 READY_PREFIX = "radixflow ready on "
 READY_ADDRESSES = re.compile(r"(https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP only
 
 
-class RuntimeEndpointError(RuntimeError):
-    """A request failed: the server's error reply (`code` is its ERROR_* name), a timeout, an
-    unreachable server or a dropped connection."""
-
-    def __init__(self, message: str, code: str = "client") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Waiter:
-    """One request's reply queue: chunks, then one final reply (or a failure)."""
-
-    def __init__(self) -> None:
-        self.replies: queue.Queue[Any] = queue.Queue()
-
-
-class _Connection:
-    """The I/O thread: owns the DEALER socket, routes replies to waiters by rid."""
-
-    def __init__(self, address: str, api_key: str) -> None:
-        self.address, self.api_key = address, api_key
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 0)  # the I/O thread must never block in send
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
-        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-        self.monitor = self.socket.get_monitor_socket(events)
-        self.socket.connect(address)
-        self.outbox: collections.deque[bytes] = collections.deque()
-        self.wake_read, self.wake_write = os.pipe()
-        os.set_blocking(self.wake_write, False)
-        self.waiters: dict[str, _Waiter] = {}
-        self.lock = threading.Lock()
-        self.connected = threading.Event()
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="radixflow-endpoint", daemon=True)
-        self.thread.start()
-
-    # ---- called from any thread -----------------------------------------------------------
-
-    def submit(self, message: Any, timeout: float) -> _Waiter:
-        """Register a waiter for message.rid and send it. Raises RuntimeEndpointError."""
-        if not self.connected.wait(min(timeout, CONNECT_TIMEOUT_S)):
-            raise RuntimeEndpointError(
-                f"cannot reach a radixflow server at {self.address} (no connection after "
-                f"{min(timeout, CONNECT_TIMEOUT_S):.0f}s)",
-                ERROR_DISCONNECTED,
-            )
-        waiter = _Waiter()
-        with self.lock:
-            if self.closed:
-                raise RuntimeEndpointError("the endpoint is closed")
-            self.waiters[message.rid] = waiter
-        self.send(message)
-        return waiter
-
-    def send(self, message: Any) -> None:
-        """Queue a frame for the I/O thread (no reply expected or already registered)."""
-        self.outbox.append(encode(message, self.api_key))
-        self._wake()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
-            os.write(self.wake_write, b"x")
-
-    def forget(self, rid: str) -> None:
-        with self.lock:
-            self.waiters.pop(rid, None)
-
-    def close(self) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        self._wake()
-        self.thread.join(5.0)
-        self._fail_all("the endpoint is closed", "client")
-        self.ctx.destroy(linger=0)
-        os.close(self.wake_read)
-        os.close(self.wake_write)
-
-    # ---- the I/O thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        poller.register(self.wake_read, zmq.POLLIN)
-        last_ping = 0.0
-        while not self.closed:
-            ready = dict(poller.poll(int(PING_INTERVAL_S * 500)))
-            if self.wake_read in ready:
-                os.read(self.wake_read, 4096)
-            while self.outbox:
-                self.socket.send(self.outbox.popleft())
-            if self.socket in ready:
-                self._receive()
-            if self.monitor in ready:
-                self._on_monitor(zmq.utils.monitor.recv_monitor_message(self.monitor))
-            if self.waiters and time.monotonic() - last_ping >= PING_INTERVAL_S:
-                self.socket.send(encode(Ping(), self.api_key))
-                last_ping = time.monotonic()
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                frame = self.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                reply = decode(frame, CLIENT_REPLIES)
-            except ProtocolError as e:
-                reply = Error(e.rid, e.code, f"unreadable reply from the server: {e}")
-            with self.lock:
-                waiter = self.waiters.get(reply.rid)
-                if waiter is not None and not isinstance(reply, Chunk):
-                    del self.waiters[reply.rid]
-            if waiter is not None:
-                waiter.replies.put(reply)
-
-    def _on_monitor(self, event: dict[str, Any]) -> None:
-        if event["event"] == zmq.EVENT_CONNECTED:
-            self.connected.set()
-        elif event["event"] == zmq.EVENT_DISCONNECTED:
-            self.connected.clear()
-            self._fail_all(f"lost the connection to the server at {self.address}", "disconnected")
-
-    def _fail_all(self, message: str, code: str) -> None:
-        with self.lock:
-            waiters, self.waiters = self.waiters, {}
-        for rid, waiter in waiters.items():
-            waiter.replies.put(Error(rid, code, message))
+def open_transport(address: str, api_key: str) -> Transport:
+    """HTTP for http:// and https:// addresses, ZeroMQ (tcp://, ipc://) for the others."""
+    if address.startswith(("http://", "https://")):
+        return HttpTransport(address, api_key)
+    return ZmqTransport(address, api_key)
 
 
 class RuntimeEndpoint:
-    """A thread-safe client of one radixflow server. Calls block until their reply; they raise
-    RuntimeEndpointError on an error reply, after `timeout` seconds without the reply (the
-    whole call, or each chunk when streaming; `math.inf` waits for good; a timed-out
-    generation is aborted on the server), or at once when the server is unreachable or goes
-    away (a dropped connection, a server killed)."""
-
-    def __new__(cls, address: str = "tcp://127.0.0.1:30001", *args: Any, **kwargs: Any) -> Any:
-        if cls is RuntimeEndpoint and address.startswith(("http://", "https://")):
-            return super().__new__(HttpRuntimeEndpoint)
-        return super().__new__(cls)
+    """A thread-safe client of one radixflow (or SGLang) server. Calls block until their
+    reply; they raise RuntimeEndpointError on an error reply, after `timeout` seconds without
+    the reply (the whole call, or each chunk when streaming; `math.inf` waits for good; a
+    timed-out generation is aborted on the server), or at once when the server is unreachable
+    or goes away (a dropped connection, a server killed). `timeout` may be changed later."""
 
     def __init__(
         self,
@@ -223,10 +55,9 @@ class RuntimeEndpoint:
         api_key: str | None = None,
         timeout: float = 60.0,
     ) -> None:
-        self.address = address
-        self.timeout = timeout
-        self._connection = _Connection(address, api_key or "")
-        weakref.finalize(self, self._connection.close)  # an endpoint never closed stops anyway
+        self.address, self.api_key, self.timeout = address, api_key, timeout
+        self.transport = open_transport(address, api_key or "")
+        weakref.finalize(self, self.transport.close)  # an endpoint never closed stops anyway
         self._model_info: dict[str, Any] | None = None
 
     # ---- generation -----------------------------------------------------------------------
@@ -244,16 +75,16 @@ class RuntimeEndpoint:
         rid: str | None = None,
     ) -> dict[str, Any]:
         """-> {"text", "output_ids", "meta_info"} once the request finished."""
-        msg = Generate(
-            rid or _new_rid(),
-            text=text,
-            input_ids=input_ids,
-            sampling_params=dict(sampling_params or {}),
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
+        request = GenerateRequest(
+            text,
+            input_ids,
+            dict(sampling_params or {}),
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
         )
-        return self._call(msg, timeout, abort_on_timeout=True)
+        return self.transport.generate(request, self._timeout(timeout))
 
     def generate_stream(
         self,
@@ -270,103 +101,56 @@ class RuntimeEndpoint:
         """Yields {"text" (cumulative), "output_ids" (cumulative), "meta_info" (logprobs only
         for the new tokens), "finished"}; the last item has finished=True and the final text.
         Closing the iterator early aborts the request."""
-        msg = Generate(
-            rid or _new_rid(),
-            text=text,
-            input_ids=input_ids,
-            sampling_params=dict(sampling_params or {}),
-            stream=True,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
+        request = GenerateRequest(
+            text,
+            input_ids,
+            dict(sampling_params or {}),
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
         )
-        return self._stream(msg, self._timeout(timeout))
-
-    def _stream(self, msg: Generate, timeout: float) -> Iterator[dict[str, Any]]:
-        waiter = self._connection.submit(msg, timeout)
-        output_ids: list[int] = []
-        num_logprobs = 0
-        finished = False
-        try:
-            while True:
-                reply = self._next(waiter, msg.rid, timeout)
-                if isinstance(reply, Chunk):
-                    output_ids += reply.new_ids
-                    num_logprobs += len(reply.meta_info.get("output_token_logprobs", ()))
-                    yield {
-                        "text": reply.text,
-                        "output_ids": list(output_ids),
-                        "meta_info": reply.meta_info,
-                        "finished": False,
-                    }
-                    continue
-                finished = True
-                data = _result(reply)
-                meta = dict(data["meta_info"])
-                if "output_token_logprobs" in meta:
-                    meta["output_token_logprobs"] = meta["output_token_logprobs"][num_logprobs:]
-                yield {**data, "meta_info": meta, "finished": True}
-                return
-        finally:
-            if not finished:
-                self._connection.forget(msg.rid)
-                self._send_abort(msg.rid)
+        return self.transport.generate_stream(request, self._timeout(timeout))
 
     def score(
         self, prefix: str, continuations: list[str], unconditional: bool = False
     ) -> list[dict[str, Any]]:
         """Logprobs of each continuation's tokens after `prefix` (one batch on the server):
         [{"text", "token_ids", "logprobs", "unconditional_logprobs" (or None)}]."""
-        msg = Score(_new_rid(), prefix, list(continuations), unconditional)
-        return self._call(msg, None, abort_on_timeout=True)["choices"]
+        return self.transport.score(prefix, list(continuations), unconditional, self.timeout)
 
     def cache_prefix(self, text: str) -> dict[str, Any]:
         """Prefill `text` into the radix cache; returns its meta_info."""
-        return self._call(CachePrefix(_new_rid(), text), None, abort_on_timeout=True)["meta_info"]
+        return self.transport.cache_prefix(text, self.timeout)
 
     # ---- control --------------------------------------------------------------------------
 
     def abort(self, rid: str) -> bool:
         """Abort request `rid` (idempotent); True when it was still in flight."""
-        return self._call(Abort(_new_rid(), rid), None)["aborted"]
+        return self.transport.abort(rid, self.timeout)
 
     def flush_cache(self) -> bool:
         """Drop the radix cache; False while requests run (nothing is dropped then)."""
-        return self._call(FlushCache(_new_rid()), None)["flushed"]
+        return self.transport.flush_cache(self.timeout)
 
     def model_info(self) -> dict[str, Any]:
+        """The served model (asked once, then a copy of the answer)."""
         if self._model_info is None:
-            self._model_info = self._call(ModelInfo(_new_rid()), None)
+            self._model_info = self.transport.model_info(self.timeout)
         return dict(self._model_info)
 
     def stats(self) -> dict[str, Any]:
-        return self._call(Stats(_new_rid()), None)
+        return self.transport.stats(self.timeout)
 
     def health(self) -> dict[str, Any]:
-        return self._call(Health(_new_rid()), None)
+        return self.transport.health(self.timeout)
 
     def get_server_info(self) -> dict[str, Any]:
-        return {**self.model_info(), **self.stats()}
+        """ZeroMQ: the model info and stats in one dict; HTTP: SGLang's /server_info."""
+        return self.transport.server_info(self.timeout)
 
     def close(self) -> None:
-        self._connection.close()
-
-    # ---- SGLang's endpoint methods (both doors) -------------------------------------------
-
-    def get_model_name(self) -> str:
-        return self.model_info()["model_path"]
-
-    def get_chat_template(self) -> Any:
-
-        return template_for_model(self.model_info())
-
-    def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
-        """SGLang's fork join: the radix cache already holds every branch; nothing to do."""
-
-    def start_profile(self) -> None:
-        raise RuntimeEndpointError("profiling is not implemented by radixflow", "unsupported")
-
-    stop_profile = start_profile
+        self.transport.close()
 
     def __enter__(self) -> RuntimeEndpoint:
         return self
@@ -374,58 +158,25 @@ class RuntimeEndpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- plumbing -------------------------------------------------------------------------
+    # ---- SGLang's endpoint methods --------------------------------------------------------
+
+    def get_model_name(self) -> str:
+        return self.model_info()["model_path"]
+
+    def get_chat_template(self) -> ChatTemplate:
+        return template_for_model(self.model_info())
+
+    def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
+        """SGLang's fork join (the radix cache already holds every branch)."""
+        self.transport.concatenate_and_append(src_rids, dst_rid, self.timeout)
+
+    def start_profile(self) -> None:
+        raise RuntimeEndpointError("profiling is not implemented by radixflow", "unsupported")
+
+    stop_profile = start_profile
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
-
-    def _call(self, msg: Any, timeout: float | None, abort_on_timeout: bool = False) -> Any:
-        timeout = self._timeout(timeout)
-        waiter = self._connection.submit(msg, timeout)
-        try:
-            return _result(self._next(waiter, msg.rid, timeout))
-        except RuntimeEndpointError as e:
-            if e.code == ERROR_TIMEOUT and abort_on_timeout:
-                self._send_abort(msg.rid)
-            raise
-
-    def _next(self, waiter: _Waiter, rid: str, timeout: float) -> Any:
-        try:
-            return waiter.replies.get(timeout=None if math.isinf(timeout) else timeout)
-        except queue.Empty:
-            self._connection.forget(rid)
-            raise RuntimeEndpointError(
-                f"no reply from the server at {self.address} within {timeout:.1f}s",
-                ERROR_TIMEOUT,
-            ) from None
-
-    def _send_abort(self, rid: str) -> None:
-        if not self._connection.closed and self._connection.connected.is_set():
-            self._connection.send(Abort(_new_rid(), rid))  # its reply is dropped
-
-
-class HttpRuntimeEndpoint(HttpEndpointMethods, RuntimeEndpoint):
-    """RuntimeEndpoint("http://host:port"): SGLang's HTTP API, the same methods and errors."""
-
-    def __init__(
-        self,
-        address: str = "http://127.0.0.1:30000",
-        api_key: str | None = None,
-        timeout: float = 60.0,
-    ) -> None:
-        self.address, self.timeout, self.api_key = address, timeout, api_key
-        self.http = HttpTransport(address, api_key or "", timeout, RuntimeEndpointError)
-        self._model_info = None
-
-
-def _result(reply: Any) -> Any:
-    if isinstance(reply, Error):
-        raise RuntimeEndpointError(f"[{reply.code}] {reply.message}", reply.code)
-    return reply.data
-
-
-def _new_rid() -> str:
-    return uuid.uuid4().hex
 
 
 class Runtime:

@@ -1,42 +1,30 @@
-"""How a program runs: ProgramState (`s`), its stream executor, fork/join, run and run_batch.
+"""The interpreter: one StreamExecutor per stream (a program's state and every forked branch)
+executes the nodes submitted with `s += ...` strictly in order on its own worker thread,
+making the blocking backend calls; fork/join and the streamed pieces live here too.
 
-Each stream (the program's state and every forked branch) owns a worker thread that executes
-the nodes submitted with `s += ...` strictly in order, making the blocking backend calls.
 The program body runs in the caller's thread (or its own thread with `stream=True`), so
 `s += ...` returns at once and `s[name]` blocks until the variable is produced.
 
 Errors: a failing node or an exception in the body marks the stream failed; remaining nodes
-are skipped, every waiting reader wakes up, `error()` returns the exception, and reading a
-result that was not produced (`s[name]`, `text()`) raises ProgramError from it. A failed
-branch fails its parent at `join()`. Every stream is closed when its program body returns,
-so no worker thread outlives its queued work.
+are skipped, every waiting reader wakes up, `exc` holds the exception, and reading a result
+that was not produced raises ProgramError from it. A failed branch fails its parent at
+join(). Every stream is closed when its program body returns, so no worker thread outlives
+its queued work.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from tqdm import tqdm
-
-from radixflow.chat_template import ChatTemplate, get_chat_template, template_for_model
+from radixflow.chat_template import ChatTemplate
 from radixflow.ir import (
-    REGEX_BOOL,
-    REGEX_FLOAT,
-    REGEX_INT,
-    REGEX_STR,
     Constant,
     Expr,
-    ExprList,
     Gen,
     RoleBegin,
     RoleEnd,
@@ -47,51 +35,16 @@ from radixflow.ir import (
     flatten,
     produced_name,
 )
+from radixflow.sampling import resolve_sampling
 
 logger = logging.getLogger(__name__)
 
-LOGPROB_OPTIONS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
-DTYPE_REGEX = {
-    "int": (REGEX_INT, (" ", "\n")),
-    "float": (REGEX_FLOAT, (" ", "\n")),
-    "str": (REGEX_STR, ()),
-    "bool": (REGEX_BOOL, ()),
-}
 JOIN_MODES = ("gather_variable", "concate_and_append")
 _END = object()
 
 
 class ProgramError(RuntimeError):
     """A program stream failed; `__cause__` is the original exception."""
-
-
-def resolve_sampling(
-    defaults: dict[str, Any], overrides: dict[str, Any], stop_str: tuple[str, ...]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Merge run() defaults with a gen's overrides -> (wire sampling params, logprob options).
-    dtype becomes a regex; the template's stop strings are added. Raises ValueError for
-    what a program cannot express (n > 1, stop_regex, an unknown dtype)."""
-    params = {**defaults, **overrides}
-    options = {k: params.pop(k) for k in LOGPROB_OPTIONS if k in params}
-    params.pop("return_text_in_logprobs", None)  # entries carry token text None
-    if params.pop("stop_regex", None):
-        raise ValueError("stop_regex is not supported; use stop strings or a regex constraint")
-    stop = list(params.get("stop") or ())
-    dtype = params.pop("dtype", None)
-    if dtype is not None:
-        key = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", repr(dtype))
-        if key not in DTYPE_REGEX:
-            raise ValueError(f"unsupported dtype {dtype!r}; use int, float, str or bool")
-        if params.get("regex"):
-            logger.warning("gen got both dtype and regex; dtype=%s wins", key)
-        params["regex"], extra_stop = DTYPE_REGEX[key]
-        stop += extra_stop
-    params["stop"] = list(dict.fromkeys(stop + list(stop_str)))
-    if params.get("n", 1) != 1:
-        raise ValueError("gen(n>1) is not supported in a program; fork the state instead")
-    # Names were checked by gen(); values are validated once, where the request enters the
-    # runtime (server or Engine), and come back as a clear error.
-    return params, options
 
 
 @dataclass
@@ -413,288 +366,3 @@ def _entries(logprobs: list[float | None], token_ids: list[int]) -> list[list[An
 def _mean(logprobs: list[float | None]) -> float:
     values = [lp for lp in logprobs if lp is not None]
     return sum(values) / len(values) if values else 0.0
-
-
-class ProgramState:
-    """The `s` of a program. `s += expr` queues (non-blocking); reads block as documented."""
-
-    def __init__(self, executor: StreamExecutor) -> None:
-        self.stream_executor = executor
-        self.ret_value: Any = None
-
-    def __iadd__(self, other: object) -> ProgramState:
-        """Queue text or an expression. Raises ValueError for None, TypeError for non-text."""
-        self.stream_executor.submit(other)
-        return self
-
-    def __getitem__(self, name: str) -> Any:
-        """Block until `name` is produced; return it. KeyError if it never is; ProgramError
-        if the stream failed before producing it."""
-        return self.stream_executor.get_var(name)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        self.stream_executor.set_var(name, value)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.stream_executor.variables
-
-    get_var = __getitem__
-    set_var = __setitem__
-
-    def get_meta_info(self, name: str) -> dict[str, Any]:
-        """Block until `name` is produced; its runtime meta info (tokens, finish reason)."""
-        self.stream_executor.get_var(name)
-        return self.stream_executor.meta_info.get(name, {})
-
-    def sync(self) -> None:
-        """Block until the submitted work has run."""
-        self.stream_executor.settle()
-
-    def text(self) -> str:
-        """Block until the work ran; the full text. Raises ProgramError if the stream failed."""
-        self.sync()
-        self.stream_executor.raise_if_failed()
-        return self.stream_executor.text
-
-    def messages(self) -> list[dict[str, str]]:
-        """Block like text(); the chat messages as [{"role", "content"}]."""
-        self.text()
-        return list(self.stream_executor.messages)
-
-    def error(self) -> Exception | None:
-        """Block until the work ran; the exception that stopped this stream, or None."""
-        self.sync()
-        return self.stream_executor.exc
-
-    def fork(self, size: int = 1, position_ids_offset: object = None) -> ProgramStateGroup:
-        """Wait for queued work, cache the shared text in the runtime once (size > 1), then
-        start `size` branches, each with its own worker. `position_ids_offset` is ignored."""
-        executor = self.stream_executor
-        executor.settle()
-        if size > 1 and executor.text and executor.exc is None:
-            try:
-                executor.backend.cache_prefix(executor.text)
-            except Exception as e:
-                executor.fail(e)
-        return ProgramStateGroup([ProgramState(executor.spawn()) for _ in range(size)], self)
-
-    @contextmanager
-    def copy(self, position_ids_offset: object = None) -> Iterator[ProgramState]:
-        """`with s.copy() as c:` a one-branch fork, joined when the block ends."""
-        group = self.fork(1)
-        yield group[0]
-        group.join()
-
-    def _role(self, role: str, expr: object) -> Any:
-        if expr is None:
-            return self._role_block(role)
-        wrapped = ExprList((RoleBegin(role), *flatten(as_expr(expr)), RoleEnd(role)))
-        self += wrapped
-        return wrapped
-
-    @contextmanager
-    def _role_block(self, role: str) -> Iterator[None]:
-        self += RoleBegin(role)
-        yield
-        self += RoleEnd(role)
-
-    def system(self, expr: object = None) -> Any:
-        """With expr: queue it as a system message. Without: `with s.system(): ...`."""
-        return self._role("system", expr)
-
-    def user(self, expr: object = None) -> Any:
-        """With expr: queue it as a user message. Without: `with s.user(): ...`."""
-        return self._role("user", expr)
-
-    def assistant(self, expr: object = None) -> Any:
-        """With expr: queue it as an assistant message. Without: `with s.assistant(): ...`."""
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        """`with s.var_scope(name):` sets s[name] to the text appended inside the block."""
-        self += VarScopeBegin(name)
-        yield
-        self += VarScopeEnd(name)
-
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """stream=True: yield text chunks (all text, or one variable's) as they arrive.
-        Otherwise: yield the final text or value once. Raises ProgramError on failure."""
-        executor = self.stream_executor
-        if not executor.stream:
-            yield self.text() if var_name is None else self[var_name]
-            return
-        for piece in executor.iter_pieces(var_name):
-            if piece.text:
-                yield piece.text
-        if var_name is None or var_name not in executor.variables:
-            executor.raise_if_failed()
-
-    async def text_async_iter(
-        self, var_name: str | None = None, return_meta_data: bool = False
-    ) -> AsyncIterator[Any]:
-        """Async text_iter. With return_meta_data, yields (chunk, meta_info); the incremental
-        output_token_logprobs of chunks that added no text are merged into the next one."""
-        loop = asyncio.get_running_loop()
-        executor = self.stream_executor
-        if not executor.stream:
-            read = self.text if var_name is None else partial(self.get_var, var_name)
-            value = await loop.run_in_executor(None, read)
-            meta = executor.meta_info.get(var_name, {})
-            yield (value, meta) if return_meta_data else value
-            return
-        pieces, carried = executor.iter_pieces(var_name), []
-        while (piece := await loop.run_in_executor(None, next, pieces, None)) is not None:
-            meta = piece.meta or {}
-            carried = carried + (meta.get("output_token_logprobs") or [])
-            if piece.text:
-                yield (
-                    (piece.text, {**meta, "output_token_logprobs": carried})
-                    if (return_meta_data)
-                    else piece.text
-                )
-                carried = []
-
-    def __repr__(self) -> str:
-        self.sync()  # but never raise from repr
-        return f"ProgramState({self.stream_executor.text!r})"
-
-
-class ProgramStateGroup:
-    """The branches of `s.fork(n)`: index them, `+=` to all, join them back."""
-
-    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
-        self.states, self.parent = states, parent
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self.states[i]
-
-    def __setitem__(self, i: int, value: ProgramState) -> None:
-        if value is not self.states[i]:  # only `forks[i] += x` assigns, with the same state
-            raise ValueError("cannot replace a branch of a fork")
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: object) -> ProgramStateGroup:
-        """`forks += expr` (to every branch), `+= [e0, e1, ...]` (one each), `+= lambda i:`."""
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} expressions for {len(self.states)} branches")
-            for state, expr in zip(self.states, other):
-                state += expr
-        else:
-            for i, state in enumerate(self.states):
-                state += other(i) if callable(other) else other
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        """Block until every branch finished. "gather_variable": each variable the branches
-        created becomes a list in the parent (nested forks: nested lists); the parent's text is
-        unchanged. "concate_and_append": the branches' new text is appended to the parent."""
-        executors = [state.stream_executor for state in self.states]
-        self.parent.stream_executor.join(executors, mode)
-
-
-def resolve_backend(backend: Any) -> Any:
-    """Unwrap a Runtime to its endpoint; raise RuntimeError when there is no backend."""
-    if backend is None:
-        raise RuntimeError(
-            "no backend: pass backend=... or call radixflow.set_default_backend(...) first"
-        )
-    return getattr(backend, "endpoint", backend)
-
-
-def resolve_template(template: ChatTemplate | str | None, backend: Any) -> ChatTemplate:
-    if isinstance(template, ChatTemplate):
-        return template
-    if isinstance(template, str):
-        return get_chat_template(template)
-    return template_for_model(backend.model_info())
-
-
-def run_program(
-    func: Callable[..., Any],
-    kwargs: dict[str, Any],
-    backend: Any,
-    defaults: dict[str, Any],
-    *,
-    stream: bool = False,
-    use_thread: bool = True,
-    chat_template: ChatTemplate | str | None = None,
-) -> ProgramState:
-    """Start `func(s, **kwargs)`. Non-stream: the body runs here and this returns when it
-    has (trailing gens may still run; reads block). stream=True: the body gets a thread."""
-    endpoint = resolve_backend(backend)
-    template = resolve_template(chat_template, endpoint)
-    executor = StreamExecutor(endpoint, template, defaults, stream=stream, use_thread=use_thread)
-    state = ProgramState(executor)
-    if stream:
-        threading.Thread(target=_run_body, args=(func, state, kwargs), daemon=True).start()
-    else:
-        _run_body(func, state, kwargs)
-    return state
-
-
-def _run_body(func: Callable[..., Any], state: ProgramState, kwargs: dict[str, Any]) -> None:
-    executor = state.stream_executor
-    executor.body_thread = threading.get_ident()
-    try:
-        state.ret_value = func(state, **kwargs)
-    except Exception as e:
-        executor.fail(e)
-    finally:
-        executor.close()
-
-
-def run_program_batch(
-    func: Callable[..., Any],
-    batch: list[dict[str, Any]],
-    backend: Any,
-    defaults: dict[str, Any],
-    *,
-    num_threads: int | str = "auto",
-    progress_bar: bool = False,
-    generator_style: bool = False,
-    chat_template: ChatTemplate | str | None = None,
-) -> list[ProgramState] | Iterator[ProgramState]:
-    """Run every argument set on a thread pool; states in input order, each finished."""
-    endpoint = resolve_backend(backend)
-    template = resolve_template(chat_template, endpoint)
-    if num_threads == "auto":
-        num_threads = max(96, (os.cpu_count() or 1) * 16)
-    workers = max(1, min(int(num_threads), len(batch)))
-
-    def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        state = run_program(func, kwargs, endpoint, defaults, chat_template=template)
-        state.stream_executor.done.wait()
-        return state
-
-    iterator = _batch_iter(run_one, batch, workers, progress_bar, ordered=generator_style)
-    return iterator if generator_style else list(iterator)
-
-
-def _batch_iter(
-    run_one: Callable[[dict[str, Any]], ProgramState],
-    batch: list[dict[str, Any]],
-    workers: int,
-    progress_bar: bool,
-    ordered: bool,
-) -> Iterator[ProgramState]:
-    if not batch:
-        return
-    bar = tqdm(total=len(batch), disable=not progress_bar)
-    with ThreadPoolExecutor(workers) as pool, bar:
-        futures = [pool.submit(run_one, kwargs) for kwargs in batch]
-        if ordered:
-            for future in futures:
-                state = future.result()
-                bar.update(1)
-                yield state
-            return
-        for _ in as_completed(futures):
-            bar.update(1)
-        yield from (future.result() for future in futures)

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 import radixflow as sgl
+from conftest import finishes
 from radixflow.chat_template import ChatTemplateError, template_for_model
 from radixflow.choices import ChoicesDecision
-from radixflow.interpreter import resolve_sampling
 from radixflow.ir import Constant, ExprList, Gen, RoleBegin, RoleEnd, Select
+from radixflow.sampling import resolve_sampling
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -111,25 +112,6 @@ class FakeBackend:
 
     def close(self) -> None:
         pass
-
-
-def finishes(fn: Any, timeout: float = 10.0) -> Any:
-    """Run fn in a thread; fail the test if it does not return in time (a hang)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed back to the test thread
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), "call did not return: a thread hangs"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def test_import_leaves_torch_out() -> None:

@@ -1,0 +1,303 @@
+"""The ZeroMQ transport (`RuntimeEndpoint("tcp://...")`): radixflow's own wire protocol,
+specified in `radixflow.runtime.protocol.messages`. No torch here.
+
+One transport is shared by many program threads: a background I/O thread owns the DEALER
+socket, callers hand it frames through a queue (and a wake-up pipe) and wait on a
+per-request reply queue. The I/O thread pings the server while requests are in flight (the
+server aborts requests of silent clients) and watches the connection: when it drops, every
+waiting call fails at once with RuntimeEndpointError, and no call waits past its timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+import zmq.utils.monitor
+
+from radixflow.runtime.protocol.messages import (
+    CLIENT_REPLIES,
+    ERROR_DISCONNECTED,
+    ERROR_TIMEOUT,
+    PING_INTERVAL_S,
+    Abort,
+    CachePrefix,
+    Chunk,
+    Error,
+    FlushCache,
+    Generate,
+    Health,
+    ModelInfo,
+    Ping,
+    ProtocolError,
+    Score,
+    Stats,
+    decode,
+    encode,
+)
+from radixflow.transport import GenerateRequest, RuntimeEndpointError
+
+CONNECT_TIMEOUT_S = 10.0  # longest wait for the first connection before a call fails
+
+
+class ZmqTransport:
+    """`Transport` over a DEALER socket: each call is one message and its reply (see
+    `Transport` for what blocks and raises)."""
+
+    def __init__(self, address: str, api_key: str) -> None:
+        self.address = address
+        self.connection = Connection(address, api_key)
+
+    def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
+        return self._call(_generate_message(request, stream=False), timeout, abort=True)
+
+    def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
+        msg = _generate_message(request, stream=True)
+        waiter = self.connection.submit(msg, timeout)
+        output_ids: list[int] = []
+        num_logprobs = 0
+        finished = False
+        try:
+            reply = self._next(waiter, msg.rid, timeout)
+            while isinstance(reply, Chunk):
+                output_ids += reply.new_ids
+                num_logprobs += len(reply.meta_info.get("output_token_logprobs", ()))
+                yield {
+                    "text": reply.text,
+                    "output_ids": list(output_ids),
+                    "meta_info": reply.meta_info,
+                    "finished": False,
+                }
+                reply = self._next(waiter, msg.rid, timeout)
+            finished = True
+            yield _last_chunk(_result(reply), num_logprobs)
+        finally:
+            if not finished:
+                self.connection.forget(msg.rid)
+                self._send_abort(msg.rid)
+
+    def score(
+        self, prefix: str, continuations: list[str], unconditional: bool, timeout: float
+    ) -> list[dict[str, Any]]:
+        msg = Score(_new_rid(), prefix, continuations, unconditional)
+        return self._call(msg, timeout, abort=True)["choices"]
+
+    def cache_prefix(self, text: str, timeout: float) -> dict[str, Any]:
+        return self._call(CachePrefix(_new_rid(), text), timeout, abort=True)["meta_info"]
+
+    def concatenate_and_append(self, src_rids: list[str], dst_rid: str, timeout: float) -> None:
+        """Nothing to do: the radix cache already holds every branch."""
+
+    def abort(self, rid: str, timeout: float) -> bool:
+        return self._call(Abort(_new_rid(), rid), timeout)["aborted"]
+
+    def flush_cache(self, timeout: float) -> bool:
+        return self._call(FlushCache(_new_rid()), timeout)["flushed"]
+
+    def model_info(self, timeout: float) -> dict[str, Any]:
+        return self._call(ModelInfo(_new_rid()), timeout)
+
+    def stats(self, timeout: float) -> dict[str, Any]:
+        return self._call(Stats(_new_rid()), timeout)
+
+    def health(self, timeout: float) -> dict[str, Any]:
+        return self._call(Health(_new_rid()), timeout)
+
+    def server_info(self, timeout: float) -> dict[str, Any]:
+        """The model info and the stats in one dict."""
+        return {**self.model_info(timeout), **self.stats(timeout)}
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def _call(self, msg: Any, timeout: float, abort: bool = False) -> Any:
+        """Send msg, wait for its one reply; a timed-out call is aborted when `abort`."""
+        waiter = self.connection.submit(msg, timeout)
+        try:
+            return _result(self._next(waiter, msg.rid, timeout))
+        except RuntimeEndpointError as e:
+            if e.code == ERROR_TIMEOUT and abort:
+                self._send_abort(msg.rid)
+            raise
+
+    def _next(self, waiter: Waiter, rid: str, timeout: float) -> Any:
+        try:
+            return waiter.replies.get(timeout=None if math.isinf(timeout) else timeout)
+        except queue.Empty:
+            self.connection.forget(rid)
+            raise RuntimeEndpointError(
+                f"no reply from the server at {self.address} within {timeout:.1f}s",
+                ERROR_TIMEOUT,
+            ) from None
+
+    def _send_abort(self, rid: str) -> None:
+        if not self.connection.closed and self.connection.connected.is_set():
+            self.connection.send(Abort(_new_rid(), rid))  # its reply is dropped
+
+
+def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
+    return Generate(
+        request.rid or _new_rid(),
+        text=request.text,
+        input_ids=request.input_ids,
+        sampling_params=dict(request.sampling_params),
+        stream=stream,
+        return_logprob=request.return_logprob,
+        logprob_start_len=request.logprob_start_len,
+        top_logprobs_num=request.top_logprobs_num,
+    )
+
+
+def _last_chunk(data: dict[str, Any], num_logprobs: int) -> dict[str, Any]:
+    """A stream's final item from the full result: logprobs of the tokens not yet sent."""
+    meta = dict(data["meta_info"])
+    if "output_token_logprobs" in meta:
+        meta["output_token_logprobs"] = meta["output_token_logprobs"][num_logprobs:]
+    return {**data, "meta_info": meta, "finished": True}
+
+
+def _result(reply: Any) -> Any:
+    if isinstance(reply, Error):
+        raise RuntimeEndpointError(f"[{reply.code}] {reply.message}", reply.code)
+    return reply.data
+
+
+def _new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+class Waiter:
+    """One request's reply queue: chunks, then one final reply (or a failure)."""
+
+    def __init__(self) -> None:
+        self.replies: queue.Queue[Any] = queue.Queue()
+
+
+class Connection:
+    """The I/O thread: owns the DEALER socket, routes replies to waiters by rid."""
+
+    def __init__(self, address: str, api_key: str) -> None:
+        self.address, self.api_key = address, api_key
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # the I/O thread must never block in send
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        self.monitor = self.socket.get_monitor_socket(events)
+        self.socket.connect(address)
+        self.outbox: collections.deque[bytes] = collections.deque()
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_write, False)
+        self.waiters: dict[str, Waiter] = {}
+        self.lock = threading.Lock()
+        self.connected = threading.Event()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="radixflow-endpoint", daemon=True)
+        self.thread.start()
+
+    # ---- called from any thread -----------------------------------------------------------
+
+    def submit(self, message: Any, timeout: float) -> Waiter:
+        """Register a waiter for message.rid and send it. Raises RuntimeEndpointError."""
+        if not self.connected.wait(min(timeout, CONNECT_TIMEOUT_S)):
+            raise RuntimeEndpointError(
+                f"cannot reach a radixflow server at {self.address} (no connection after "
+                f"{min(timeout, CONNECT_TIMEOUT_S):.0f}s)",
+                ERROR_DISCONNECTED,
+            )
+        waiter = Waiter()
+        with self.lock:
+            if self.closed:
+                raise RuntimeEndpointError("the endpoint is closed")
+            self.waiters[message.rid] = waiter
+        self.send(message)
+        return waiter
+
+    def send(self, message: Any) -> None:
+        """Queue a frame for the I/O thread (no reply expected or already registered)."""
+        self.outbox.append(encode(message, self.api_key))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+            os.write(self.wake_write, b"x")
+
+    def forget(self, rid: str) -> None:
+        with self.lock:
+            self.waiters.pop(rid, None)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._wake()
+        self.thread.join(5.0)
+        self._fail_all("the endpoint is closed", "client")
+        self.ctx.destroy(linger=0)
+        os.close(self.wake_read)
+        os.close(self.wake_write)
+
+    # ---- the I/O thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.wake_read, zmq.POLLIN)
+        last_ping = 0.0
+        while not self.closed:
+            ready = dict(poller.poll(int(PING_INTERVAL_S * 500)))
+            if self.wake_read in ready:
+                os.read(self.wake_read, 4096)
+            while self.outbox:
+                self.socket.send(self.outbox.popleft())
+            if self.socket in ready:
+                self._receive()
+            if self.monitor in ready:
+                self._on_monitor(zmq.utils.monitor.recv_monitor_message(self.monitor))
+            if self.waiters and time.monotonic() - last_ping >= PING_INTERVAL_S:
+                self.socket.send(encode(Ping(), self.api_key))
+                last_ping = time.monotonic()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frame, CLIENT_REPLIES)
+            except ProtocolError as e:
+                reply = Error(e.rid, e.code, f"unreadable reply from the server: {e}")
+            with self.lock:
+                waiter = self.waiters.get(reply.rid)
+                if waiter is not None and not isinstance(reply, Chunk):
+                    del self.waiters[reply.rid]
+            if waiter is not None:
+                waiter.replies.put(reply)
+
+    def _on_monitor(self, event: dict[str, Any]) -> None:
+        if event["event"] == zmq.EVENT_CONNECTED:
+            self.connected.set()
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            self.connected.clear()
+            self._fail_all(f"lost the connection to the server at {self.address}", "disconnected")
+
+    def _fail_all(self, message: str, code: str) -> None:
+        with self.lock:
+            waiters, self.waiters = self.waiters, {}
+        for rid, waiter in waiters.items():
+            waiter.replies.put(Error(rid, code, message))
