@@ -48,8 +48,16 @@ def _penalize(logits: torch.Tensor, plan: BatchPlan, rows: list[int]) -> None:
     logits[chosen] = sub - (freq * counts + pres * seen.to(logits.dtype))
 
 
+def _add_bias(logits: torch.Tensor, biases: list[tuple[int, int, float]]) -> None:
+    """OpenAI's logit_bias: add each (row, token, bias) to its logit (one pair per token)."""
+    rows, tokens = upload_int64([[b[0] for b in biases], [b[1] for b in biases]], logits.device)
+    values = upload(np.asarray([b[2] for b in biases], dtype=np.float32), logits.device)
+    logits.view(-1).scatter_add_(0, rows * logits.shape[1] + tokens, values)
+
+
 def process_logits(logits: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
-    """Apply penalties, bans and grammar masks to (S, V) fp32 logits, in place."""
+    """Apply penalties, logit biases, bans and grammar masks to (S, V) fp32 logits, in place.
+    Biases come before bans and masks, so +100 never revives a token they forbid."""
     penalized = [
         i
         for i, p in enumerate(plan.sampling)
@@ -58,6 +66,14 @@ def process_logits(logits: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
     ]
     if penalized:
         _penalize(logits, plan, penalized)
+    biases = [
+        (i, int(token), bias)
+        for i, p in enumerate(plan.sampling)
+        if p.logit_bias
+        for token, bias in p.logit_bias.items()
+    ]
+    if biases:
+        _add_bias(logits, biases)
     bans = [(i, token) for i, ids in enumerate(plan.banned_ids) for token in ids]
     if bans:
         rows, tokens = upload_int64(np.asarray(bans, dtype=np.int64).T, logits.device)

@@ -19,7 +19,8 @@ class RequestLimits:
 
     def check(self, input_ids: list[int], sampling: SamplingParams | None = None) -> None:
         """Raise ValueError naming what is wrong: an empty prompt, one that fills the context,
-        ids outside the vocabulary, max_new_tokens past the limit."""
+        ids outside the vocabulary (prompt, stop_token_ids, logit_bias), max_new_tokens past
+        the limit."""
         if not input_ids:
             raise ValueError("the prompt is empty")
         if len(input_ids) >= self.context_len:
@@ -33,6 +34,8 @@ class RequestLimits:
             return
         if not all(t < vocab for t in sampling.stop_token_ids):
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if sampling.logit_bias and not all(int(t) < vocab for t in sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         if sampling.max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
                 f"max_new_tokens={sampling.max_new_tokens} exceeds the limit "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,9 @@ class SamplingParams:
     json_schema: str | None = None
     choices: tuple[str, ...] | None = None
     seed: int | None = None
+    stop_regex: tuple[str, ...] = ()  # generation stops when the generated text matches one
+    # OpenAI's map: token id (a decimal string) -> bias added to its logit; -100 bans the token
+    logit_bias: dict[str, float] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -65,10 +70,15 @@ class SamplingParams:
             ("stop_token_ids", all(0 <= t < 2**31 for t in self.stop_token_ids)),
             ("choices", self.choices is None or (len(self.choices) > 0 and all(self.choices))),
             ("seed", self.seed is None or 0 <= self.seed < 2**63),
+            ("logit_bias", self.logit_bias is None or _valid_bias(self.logit_bias)),
         ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}")
+        for pattern in self.stop_regex:
+            problem = regex_problem(pattern)
+            if problem:
+                raise ValueError(f"invalid sampling parameter stop_regex={pattern!r}: {problem}")
         if sum(x is not None and x != () for x in (self.regex, self.json_schema, self.choices)) > 1:
             raise ValueError("at most one of regex, json_schema and choices may be set")
 
@@ -93,7 +103,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("stop", "stop_token_ids", "choices"):
+        for name in ("stop", "stop_token_ids", "choices", "stop_regex"):
             if out[name] is not None:
                 out[name] = list(out[name])
         return out
@@ -103,7 +113,9 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
     def bad() -> ValueError:
         return ValueError(f"invalid sampling parameter {name}={value!r}")
 
-    if name in ("stop", "choices"):
+    if name == "logit_bias":
+        return _coerce_bias(value, bad)
+    if name in ("stop", "choices", "stop_regex"):
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -140,3 +152,44 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
             raise bad()
         return float(value)
     return value
+
+
+def regex_problem(pattern: Any) -> str | None:
+    """Why `pattern` is not a usable regex (re's message), or None if it compiles."""
+    if not isinstance(pattern, str) or not pattern:
+        return "must be a non-empty string"
+    try:
+        re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as e:  # a{10**10} overflows
+        return str(e)
+    return None
+
+
+def _coerce_bias(value: Any, bad: Any) -> dict[str, float] | None:
+    """OpenAI's logit_bias (keys token ids as decimal strings or ints) -> {"id": bias}, None
+    when empty. The ids are checked against the vocabulary where the model is known."""
+    if not isinstance(value, dict):
+        raise bad()
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isdecimal() and key.isascii() and len(key) < 10:
+            token = int(key)
+        elif type(key) is int and 0 <= key < 2**31:
+            token = key
+        else:
+            raise bad()
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad()
+        out[str(token)] = float(bias)
+    return out or None
+
+
+def _valid_bias(bias: dict[str, float]) -> bool:
+    return all(
+        isinstance(k, str)
+        and k.isdecimal()
+        and isinstance(v, float)
+        and math.isfinite(v)
+        and -100.0 <= v <= 100.0
+        for k, v in bias.items()
+    )

@@ -8,6 +8,7 @@ The last sampled token has no KV yet: it is the input of the next decode step.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,8 +137,8 @@ class Req:
     def stop_reason(
         self, context_len: int, decode: Callable[[list[int]], str]
     ) -> dict[str, Any] | None:
-        """Finish reason after the last token: grammar complete, length, or a stop string in
-        the decoded tail (`decode` turns ids into text)."""
+        """Finish reason after the last token: grammar complete, length, a stop string in the
+        decoded tail, or a stop_regex matching the decoded output (`decode`: ids -> text)."""
         params = self.sampling
         if self.grammar is not None and self.grammar.is_terminated():
             return {"type": "stop", "matched": "grammar"}
@@ -145,11 +146,19 @@ class Req:
             return {"type": "length", "length": params.max_new_tokens}
         if self.seq_len >= context_len:
             return {"type": "length", "length": len(self.output_ids)}
-        if params.stop and len(self.output_ids) >= params.min_new_tokens:
+        if len(self.output_ids) < params.min_new_tokens:
+            return None
+        if params.stop:
             tail = decode(self.output_ids[-(max(len(s) for s in params.stop) + 8) :])
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
+        if params.stop_regex:
+            # the whole output: a regex has no length bound to cut a tail by, and may anchor
+            text = decode(self.output_ids)
+            for pattern in params.stop_regex:
+                if re.search(pattern, text):
+                    return {"type": "stop", "matched": pattern}  # SGLang's FINISHED_MATCHED_REGEX
         return None
 
     def set_slots(self, position: int, slots: np.ndarray) -> None:

@@ -2,11 +2,17 @@
 bodies into typed `Generate` messages, and errors in OpenAI's shape (`HttpError`, statuses of
 the protocol's error codes). Shared by the native routes (http_api.py) and the OpenAI routes
 (openai_api.py); aiohttp appears only in `error_response` / `json_response`.
+
+The door is tolerant, as vLLM's is: a field no table here knows is ignored, with a warning
+once per name; a known field at a value this server cannot honour is refused (400).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -14,6 +20,9 @@ from aiohttp import web
 
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Generate
+from radixflow.runtime.protocol.sampling import SamplingParams
+
+log = logging.getLogger("radixflow.server")
 
 STATUS_OF_CODE = {
     m.ERROR_BAD_MESSAGE: 400,
@@ -36,7 +45,8 @@ TYPE_OF_STATUS = {
     503: "service_unavailable",
 }
 # /generate fields SGLang's clients and its router send that change nothing here at these
-# values (None or the default); any other value is refused as unsupported.
+# values (None, the default, or an empty list or map: `is_noop`); any other value is refused
+# as unsupported.
 GENERATE_NOOP = {
     "model": None,
     "log_metrics": None,  # any bool: metrics are always kept
@@ -87,12 +97,17 @@ SAMPLING_NOOP = {
     "no_stop_trim": False,
     "ebnf": None,
     "structural_tag": None,
-    "stop_regex": None,
     "custom_params": None,
-    "logit_bias": None,
     "beam_width": None,
 }
 SAMPLING_ANY = ("spaces_between_special_tokens", "stream_interval")
+# sampling_params names honoured (SamplingParams' own, and SGLang's other spellings)
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
+    "max_tokens",
+    "sampling_seed",
+}
+NO_OP_EMPTY = ([], {})  # what clients send for "none" of a list or map field (tools: [])
+MAX_LOGGED_NAME = 80
 
 
 class HttpError(Exception):
@@ -137,17 +152,30 @@ def new_rid() -> str:
 
 
 def check_fields(body: dict, honored: set[str], noop: dict, any_value: tuple, where: str) -> None:
-    """Refuse unknown names, and SGLang's known ones at values this server cannot honour."""
+    """Ignore unknown names (a warning, once per name); refuse the known no-op ones (`noop`:
+    name -> the value that changes nothing) at values this server cannot honour."""
     for name, value in body.items():
         if name in honored:
             continue
         if name not in noop:
-            raise HttpError(400, f"unknown field {where}{name!r}", param=name)
-        if name in any_value or value is None or value == noop[name]:
+            warn_ignored(f"{where}{name}"[:MAX_LOGGED_NAME])
+            continue
+        if name in any_value or is_noop(value, noop[name]):
             continue
         if name in ANY_BOOL and isinstance(value, bool):
             continue
         raise HttpError(400, f"{where}{name}={value!r} is not supported by radixflow", name)
+
+
+def is_noop(value: Any, noop: Any) -> bool:
+    """Whether `value` changes nothing: None, empty, `noop`, or one of a tuple of such."""
+    accepted = noop if isinstance(noop, tuple) else (noop,)
+    return value is None or value in NO_OP_EMPTY or any(value == a for a in accepted)
+
+
+@functools.lru_cache(maxsize=1024)  # once per name; bounded, as clients choose the names
+def warn_ignored(name: str) -> None:
+    log.warning("ignoring unknown request field %r (warned once per name)", name)
 
 
 def typed(body: dict, name: str, kind: type | tuple, default: Any = None) -> Any:
@@ -170,12 +198,13 @@ def is_int_list(value: Any) -> bool:
 
 
 def clean_sampling(params: Any, where: str = "sampling_params.") -> dict[str, Any]:
-    """SGLang's sampling_params with its no-op names dropped (SamplingParams checks the rest)."""
+    """SGLang's sampling_params with its no-op and unknown names dropped (SamplingParams
+    checks the values of the rest)."""
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise HttpError(400, "sampling_params must be an object", "sampling_params")
-    known = {k for k in params if k not in SAMPLING_NOOP}
+    known = {k for k in params if k in SAMPLING_FIELDS}
     check_fields(params, known, SAMPLING_NOOP, SAMPLING_ANY, where)
     out = {k: params[k] for k in known}
     if "sampling_seed" in out:

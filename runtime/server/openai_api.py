@@ -52,17 +52,19 @@ COMMON = {
     "json_schema",
     "repetition_penalty",
     "stop_token_ids",
+    "stop_regex",
     "ignore_eos",
     "skip_special_tokens",
     "rid",
+    "logit_bias",
 }
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
-# fields OpenAI clients or SGLang's router send that are no-ops at these values
+# fields OpenAI clients or SGLang's router send that are no-ops at these values (None and
+# empty lists and maps too: http_request.is_noop); other names are ignored with a warning
 NOOP = {
-    "logit_bias": None,
     "tools": None,
-    "tool_choice": "none",
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none either
     "parallel_tool_calls": True,
     "no_stop_trim": False,
     "continue_final_message": False,
@@ -73,7 +75,6 @@ NOOP = {
     "session_params": None,
     "chat_template_kwargs": None,
     "ebnf": None,
-    "stop_regex": None,
     "custom_logit_processor": None,
     "custom_params": None,
     "priority": None,
@@ -180,6 +181,8 @@ class OpenAiRoutes:
             "min_tokens": "min_new_tokens",
             "repetition_penalty": "repetition_penalty",
             "stop_token_ids": "stop_token_ids",
+            "stop_regex": "stop_regex",
+            "logit_bias": "logit_bias",
             "ignore_eos": "ignore_eos",
             "skip_special_tokens": "skip_special_tokens",
             "regex": "regex",
@@ -274,6 +277,8 @@ class OpenAiRoutes:
                 "ids or a list of such lists",
                 "prompt",
             )
+        if body.get("logprobs") is False:  # some clients send chat's boolean default here
+            body["logprobs"] = None
         top = typed(body, "logprobs", int, None)
         if top is not None and not 0 <= top <= 5:
             raise HttpError(400, "logprobs must be in [0, 5]", "logprobs")
