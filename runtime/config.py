@@ -15,6 +15,10 @@ from typing import Any
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE = ("", "ngram")
+GRAMMAR_BACKENDS = ("llguidance", "outlines")
+# SGLang's names (runtime/server/tool_calls.py, reasoning.py)
+TOOL_PARSERS = ("", "hermes", "qwen25", "qwen3", "llama3", "mistral", "pythonic", "generic")
+REASONING = ("", "qwen3", "deepseek-r1")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
@@ -62,10 +66,28 @@ class ServerConfig:
     dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
+    grammar_backend: str = _knob(
+        "llguidance",
+        "llguidance (grammars built in about a millisecond, masks computed per token; takes "
+        "ebnf) or outlines (outlines-core: a DFA over the vocabulary, compiled in workers)",
+    )
+    tool_call_parser: str = _knob(
+        "",
+        "how the model writes tool calls: hermes, qwen25, qwen3, llama3, mistral, pythonic, "
+        "generic; '' = inferred from the chat template (generic where it knows no tools)",
+    )
+    reasoning_parser: str = _knob(
+        "", "qwen3 or deepseek-r1: split <think> text into reasoning_content; '' = off"
+    )
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
     grammar_workers: int = _knob(2, "grammar compiler processes (a slow grammar holds only one)")
     grammar_timeout_s: float = _knob(60.0, "a grammar compiling longer than this fails")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
+    shutdown_timeout: float = _knob(
+        30.0,
+        "on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones are refused "
+        "with 503 and /health answers 503 'draining') before the rest are aborted",
+    )
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
     mem_fraction_static: float = _knob(
@@ -141,6 +163,10 @@ class ServerConfig:
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
             (self.grammar_workers >= 1, "grammar_workers must be >= 1"),
             (self.grammar_timeout_s > 0, "grammar_timeout_s must be > 0"),
+            (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
+            (self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend: {GRAMMAR_BACKENDS}"),
+            (self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser: {TOOL_PARSERS}"),
+            (self.reasoning_parser in REASONING, f"reasoning_parser: {REASONING}"),
             (
                 self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
                 "chunked_prefill_size must be -1 or >= 1",

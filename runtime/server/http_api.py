@@ -9,10 +9,10 @@ into it: text is cumulative, ids and logprobs append) and the final reply, so a 
 client costs memory bounded by its own output, and only its own handler waits on its socket.
 A client that disconnects cancels its handler (aiohttp's handler_cancellation), and the
 handler's exit aborts whatever it still had in flight: its KV is freed at the scheduler's next
-step. Bodies are limited to `max_message_bytes` (413); with an API key every route but SGLang's
-unauthenticated `/health` and `/health_generate` wants `Authorization: Bearer <key>` (401).
-Every error is OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`.
+step. Bodies are limited to `max_message_bytes` (413). With an API key every route but
+`/health` wants `Authorization: Bearer <key>` (401); the one `guard` middleware enforces it for
+every route the app has. While the server drains (SIGTERM) requests it refuses get 503 with
+Retry-After. Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ from radixflow.runtime.server.openai_api import OpenAiRoutes
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# sglang-router registers a worker by probing /health before it sends any key, and load
+# balancers probe it keyless; /health_generate runs the model, so it wants the key.
+PUBLIC_PATHS = frozenset({"/health"})
+RETRY_AFTER_S = 1  # draining: retry soon; a router sends it elsewhere once /health says 503
 
 
 def is_http2_probe(record: logging.LogRecord) -> bool:
@@ -97,6 +101,7 @@ class HttpDoor:
     def __init__(self, server: Any) -> None:
 
         self.server = server
+        self.public_paths = PUBLIC_PATHS
         self.app = web.Application(
             client_max_size=server.config.max_message_bytes, middlewares=[self.guard]
         )
@@ -143,24 +148,34 @@ class HttpDoor:
     async def guard(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
     ) -> web.StreamResponse:
-        key = self.server.config.api_key
-        # SGLang's rule: /health* answer without the key (sglang-router registers a worker by
-        # probing /health before it sends any key; a 401 there keeps the worker out)
-        if key and not request.path.startswith("/health"):
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), key.encode()):
-                self.server.counters[f"error_{m.ERROR_UNAUTHORIZED}"] += 1
-                return error_response(HttpError(401, "missing or wrong API key (Bearer token)"))
+        if not self.authorized(request):
+            self.server.counters[f"error_{m.ERROR_UNAUTHORIZED}"] += 1
+            response = error_response(HttpError(401, "missing or wrong API key (Bearer token)"))
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         try:
             return await handler(request)
         except HttpError as e:
             self.server.counters[f"http_error_{e.status}"] += 1
-            return error_response(e)
+            response = error_response(e)
+            if e.code == m.ERROR_SHUTDOWN:
+                response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return response
         except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 (body too large)
             if e.status < 400:
                 raise
             return error_response(HttpError(e.status, e.text or e.reason))
+
+    def authorized(self, request: web.Request) -> bool:
+        """No key set, a public route (matched by its route, not by a path prefix), or the
+        request carries `Authorization: Bearer <key>`."""
+        key = self.server.config.api_key
+        resource = request.match_info.route.resource
+        if not key or (resource is not None and resource.canonical in self.public_paths):
+            return True
+        given = request.headers.get("Authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode(), key.encode())
 
     async def body(self, request: web.Request) -> Any:
         raw = await request.read()

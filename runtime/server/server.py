@@ -9,6 +9,11 @@ health and stats never wait on the model. The scheduler runs in its own process
 (runtime/scheduler/loop.py); if it dies, every request in flight gets an error, the server
 reports unhealthy and starts a new one. The protocol is in `runtime/protocol/messages.py`.
 
+SIGTERM/SIGINT drain: new requests are refused (HTTP 503 with Retry-After, ZeroMQ an error
+reply), /health answers 503 "draining" so a router stops sending, and the requests in flight
+finish for up to `--shutdown-timeout` seconds (a second signal ends the wait); whatever is left
+then gets an error reply, the scheduler is stopped and the process exits 0.
+
 Requests are validated once, here, into typed messages (SamplingParams, RequestLimits).
 """
 
@@ -86,6 +91,8 @@ MAX_RID_LEN = 256
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_PUMPS = 8  # drain rounds per callback before yielding to the HTTP handlers
 MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
+DRAINING_MESSAGE = "the server is shutting down (draining): send the request to another server"
+SHUTDOWN_MESSAGE = "the server is shutting down: the request did not finish within the drain"
 
 
 class ServerStartError(RuntimeError):
@@ -133,7 +140,7 @@ class Server:
         self.idle_check: str | None = None
         self.counters: Counter[str] = Counter()
         self.next_id = 0
-        self.stopping = False
+        self.drain_deadline: float | None = None  # set by the first SIGTERM/SIGINT
         self.started = time.monotonic()
         self.last_log = (time.monotonic(), 0)
         self.handlers = {
@@ -150,12 +157,17 @@ class Server:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
+    @property
+    def draining(self) -> bool:
+        """A stop was asked for: no new requests; the loop ends once the last one is done."""
+        return self.drain_deadline is not None
+
     def start(self) -> str:
         """Start the scheduler, wait until it has loaded the model, bind the ZeroMQ socket.
         Returns its address (the HTTP door binds in `run`). Raises ServerStartError."""
         self._spawn_scheduler()
         while self.status != "ok":
-            if self.stopping:
+            if self.draining:
                 raise ServerStartError("interrupted while starting")
             for msg in self.from_scheduler.drain(POLL_MS):
                 self._on_scheduler_message(msg)
@@ -168,20 +180,38 @@ class Server:
         return self.address
 
     def request_stop(self, *_: object) -> None:
-        """Signal handler: finish the current loop iteration, then shut down."""
-        self.stopping = True
+        """Signal handler: drain (refuse new requests, give those in flight up to
+        --shutdown-timeout seconds), then shut down; a second signal ends the drain now."""
+        now = time.monotonic()
+        first = self.drain_deadline is None
+        self.drain_deadline = now + self.config.shutdown_timeout if first else now
         if self.wakeup is not None:
             self.wakeup.set()
 
+    def _on_signal(self) -> None:
+        self.request_stop()
+        log.info(
+            "stop requested: draining %d requests in flight (at most %.0fs more)",
+            len(self.jobs),
+            max((self.drain_deadline or 0.0) - time.monotonic(), 0.0),
+        )
+
+    def _drained(self) -> bool:
+        """Draining, and nothing is left in flight or the drain's time is up."""
+        if self.drain_deadline is None:
+            return False
+        return not self.jobs or time.monotonic() >= self.drain_deadline
+
     async def run(self, announce: Callable[[str, str], None]) -> None:
-        """The loop, until request_stop: bind HTTP, call `announce(http_url, zmq_address)`,
-        then serve both doors; at the end every request in flight gets its final answer."""
+        """The loop, until request_stop's drain ends: bind HTTP, call `announce(http_url,
+        zmq_address)`, then serve both doors; at the end every request still in flight gets an
+        error reply."""
 
         assert self.zmq.router is not None, "start() first"
         loop = asyncio.get_running_loop()
         self.wakeup = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._on_signal)
         door = HttpDoor(self)
         self.http_url = await door.start(self.config.host, self.config.port)
         sockets = (self.zmq.router, self.from_scheduler.socket)
@@ -189,18 +219,19 @@ class Server:
             loop.add_reader(sock.getsockopt(zmq.FD), self._pump)
         announce(self.http_url, self.address)
         try:
-            while not self.stopping:
+            while not self._drained():
                 self._pump()  # a safety net under the edge-triggered readers
                 self._housekeeping()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.wakeup.wait(), POLL_MS / 1000)
+                self.wakeup.clear()
         finally:
-            log.info("shutting down: %d requests in flight", len(self.jobs))
+            log.info("shutting down: aborting %d requests still in flight", len(self.jobs))
             for sock in sockets:
                 loop.remove_reader(sock.getsockopt(zmq.FD))
             self.status = "stopping"
-            self._fail_all(ERROR_SHUTDOWN, "the server is shutting down")
-            await door.stop()  # HTTP handlers write those final answers first
+            self._fail_all(ERROR_SHUTDOWN, SHUTDOWN_MESSAGE)
+            await door.stop()  # HTTP handlers write their final answers first
 
     def _pump(self) -> None:
         """Drain the ROUTER and the scheduler queue. Their FDs are edge-triggered and a send
@@ -220,7 +251,7 @@ class Server:
 
     def close(self) -> None:
         """Answer every request in flight, stop the scheduler, remove the ipc files."""
-        self._fail_all(ERROR_SHUTDOWN, "the server is shutting down")
+        self._fail_all(ERROR_SHUTDOWN, SHUTDOWN_MESSAGE)
         self._stop_scheduler()
         self.zmq.close()
         self.to_scheduler.close()
@@ -262,7 +293,7 @@ class Server:
         for job in list(self.jobs.values()):
             self._end(job, Error(job.rid, ERROR_UNAVAILABLE, self.last_error))
         self.failed_starts += self.status != "ok"
-        if self.stopping:
+        if self.draining:
             return
         if self.failed_starts >= MAX_RESTARTS_IN_A_ROW:
             self.status = "dead"
@@ -416,9 +447,11 @@ class Server:
         return {**self.scheduler_stats, "idle_check": self.idle_check, "server": server}
 
     def health_data(self) -> dict[str, Any]:
+        """`status` is "draining" once a stop was asked for (so routers stop sending)."""
+        status = "draining" if self.draining else self.status
         return {
-            "ok": self.status == "ok",
-            "status": self.status,
+            "ok": status == "ok",
+            "status": status,
             "scheduler_pid": self.proc.pid if self.proc is not None else None,
             "scheduler_restarts": self.restarts,
             "last_error": self.last_error,
@@ -444,6 +477,8 @@ class Server:
     # ---- validation -----------------------------------------------------------------------
 
     def _check_new(self, rid: str) -> None:
+        if self.draining:
+            raise RequestError(ERROR_SHUTDOWN, DRAINING_MESSAGE)
         if self.status != "ok":
             reason = self.last_error or "the scheduler is not ready"
             raise RequestError(ERROR_UNAVAILABLE, f"{reason} (status: {self.status})")
