@@ -198,7 +198,8 @@ class Runtime:
         launch_timeout: float = 300.0,
         **server_config_kwargs: Any,
     ) -> None:
-        config_from_kwargs(model=model_path, port=port, **server_config_kwargs)  # check names
+        config = config_from_kwargs(model=model_path, port=port, **server_config_kwargs)
+        self.stop_wait_s = config.shutdown_timeout + 30.0  # the server drains, then exits
         cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--model", model_path]
         cmd += ["--port", str(port), "--log-level", log_level]
         cmd += _flags(server_config_kwargs)
@@ -239,14 +240,15 @@ class Runtime:
         return AutoTokenizer.from_pretrained(self.endpoint.model_info()["model_path"])
 
     def shutdown(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL after 30 s); idempotent."""
+        """Stop the server: SIGTERM (it finishes what is in flight, up to its
+        --shutdown-timeout), SIGKILL 30 s past that; idempotent."""
         endpoint = getattr(self, "endpoint", None)
         if endpoint is not None:
             endpoint.close()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(30)
+                self.process.wait(self.stop_wait_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

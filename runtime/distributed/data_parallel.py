@@ -256,23 +256,24 @@ class DataParallel:
         self.stopping = True
 
     def stop(self) -> None:
-        """Router first (no new requests), then every replica; SIGKILL after STOP_WAIT_S."""
+        """Router first (no new requests), then every replica (each drains its requests in
+        flight for up to --shutdown-timeout); SIGKILL STOP_WAIT_S after that."""
         self.stopping = True
         if self.router is not None:
-            terminate([self.router])
-        terminate([r.process for r in self.replicas])
+            terminate([self.router], STOP_WAIT_S)
+        terminate([r.process for r in self.replicas], self.config.shutdown_timeout + STOP_WAIT_S)
 
 
-def terminate(processes: list[subprocess.Popen[bytes]]) -> None:
+def terminate(processes: list[subprocess.Popen[bytes]], wait_s: float) -> None:
     live = [p for p in processes if p.poll() is None]
     for p in live:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_WAIT_S
+    deadline = time.monotonic() + wait_s
     for p in live:
         try:
             p.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            log.error("pid %d did not stop in %.0fs; killing it", p.pid, STOP_WAIT_S)
+            log.error("pid %d did not stop in %.0fs; killing it", p.pid, wait_s)
             p.kill()
             p.wait()
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +19,8 @@ import psutil
 import pytest
 import zmq
 
-from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
+from conftest import Server
+from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.server.jobs import visible_text
 
@@ -36,22 +37,18 @@ def prompts(count: int) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(
-        max_total_tokens=8192,
-        self_check=True,
-        api_key=API_KEY,
-        max_message_bytes=MAX_MESSAGE_BYTES,
-        num_threads=1,  # one torch thread: two oversubscribe a shared 2-core machine
-        log_level="warning",
-    )
-    yield rt
-    rt.shutdown()
+SERVER = dict(  # conftest's module-scoped `runtime`
+    max_total_tokens=8192,
+    self_check=True,
+    api_key=API_KEY,
+    max_message_bytes=MAX_MESSAGE_BYTES,
+    num_threads=1,  # one torch thread: two oversubscribe a shared 2-core machine
+    log_level="warning",
+)
 
 
 @pytest.fixture(scope="module")
-def endpoint(runtime: Runtime) -> RuntimeEndpoint:
+def endpoint(runtime: Server) -> RuntimeEndpoint:
     return runtime.endpoint
 
 
@@ -434,7 +431,8 @@ def test_killed_scheduler_fails_requests_fast_then_restarts(endpoint) -> None:
 
 
 def test_sigterm_answers_every_client_and_leaves_nothing_behind() -> None:
-    rt = Runtime(max_total_tokens=4096, num_threads=1, log_level="warning")
+    # no drain time: what is in flight at SIGTERM is failed at once (test_drain has the drain)
+    rt = Server(max_total_tokens=4096, num_threads=1, log_level="warning", shutdown_timeout=0)
     try:
         scheduler = psutil.Process(rt.endpoint.health()["scheduler_pid"])
         cmdline = scheduler.cmdline()
