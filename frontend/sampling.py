@@ -24,12 +24,10 @@ def resolve_sampling(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Merge run() defaults with a gen's overrides -> (wire sampling params, logprob options).
     dtype becomes a regex; the template's stop strings are added. Raises ValueError for
-    what a program cannot express (n > 1, stop_regex, an unknown dtype)."""
+    what a program cannot express (n > 1, an unknown dtype)."""
     params = {**defaults, **overrides}
     options = {k: params.pop(k) for k in LOGPROB_OPTIONS if k in params}
     params.pop("return_text_in_logprobs", None)  # entries carry token text None
-    if params.pop("stop_regex", None):
-        raise ValueError("stop_regex is not supported; use stop strings or a regex constraint")
     stop = list(params.get("stop") or ())
     dtype = params.pop("dtype", None)
     if dtype is not None:

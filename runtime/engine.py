@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.constrained.grammar import GrammarBackend
+from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
 from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
@@ -148,6 +149,8 @@ def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
 
+    if config.grammar_backend == "llguidance":
+        return LlgBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
     return GrammarBackend(
         tokenizer,
         vocab_size,

@@ -36,6 +36,8 @@ import msgpack
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
+from radixflow.runtime.constrained.schema_regex import bounded_schema_regex
+
 GrammarKey = tuple[str, str]
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ def grammar_regex(key: GrammarKey, whitespace_pattern: str | None) -> str:
         return json_schema_regex(text, whitespace_pattern)
     if kind == "choices":
         return choices_regex(text)
+    if kind == "ebnf":
+        raise GrammarError("ebnf grammars need --grammar-backend llguidance")
     raise GrammarError(f"unknown grammar kind {kind!r} (expected regex, json or choices)")
 
 
@@ -83,10 +87,12 @@ def bytes_vocabulary() -> Vocabulary:
 def json_schema_regex(schema: str, whitespace_pattern: str | None = None) -> str:
     """The regex of the JSON documents valid under `schema` (JSON text); GrammarError if bad."""
     try:
-        json.loads(schema)
+        parsed = json.loads(schema)
     except json.JSONDecodeError as e:
         raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
     try:
+        if isinstance(parsed, dict):  # numeric bounds too (schema_regex)
+            return bounded_schema_regex(parsed, build_regex_from_schema, whitespace_pattern)
         return build_regex_from_schema(schema, whitespace_pattern)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid or unsupported JSON schema: {e}") from e

@@ -32,6 +32,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None  # a grammar in GBNF (SGLang's ebnf; Lark syntax too): llguidance
     choices: tuple[str, ...] | None = None
     seed: int | None = None
     stop_regex: tuple[str, ...] = ()  # generation stops when the generated text matches one
@@ -49,6 +50,8 @@ class SamplingParams:
             return ("regex", self.regex)
         if self.json_schema:
             return ("json", self.json_schema)
+        if self.ebnf:
+            return ("ebnf", self.ebnf)
         if self.choices:
             return ("choices", json.dumps(list(self.choices)))
         return None
@@ -79,8 +82,9 @@ class SamplingParams:
             problem = regex_problem(pattern)
             if problem:
                 raise ValueError(f"invalid sampling parameter stop_regex={pattern!r}: {problem}")
-        if sum(x is not None and x != () for x in (self.regex, self.json_schema, self.choices)) > 1:
-            raise ValueError("at most one of regex, json_schema and choices may be set")
+        constraints = (self.regex, self.json_schema, self.ebnf, self.choices)
+        if sum(x is not None and x != () for x in constraints) > 1:
+            raise ValueError("at most one of regex, json_schema, ebnf and choices may be set")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -133,7 +137,7 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
         if not isinstance(value, str):
             raise bad()
         return value or None
-    if name == "regex":
+    if name in ("regex", "ebnf"):
         if not isinstance(value, str):
             raise bad()
         return value or None

@@ -95,7 +95,6 @@ SAMPLING_NOOP = {
     "spaces_between_special_tokens": None,  # any bool: fast tokenizers ignore it
     "stream_interval": None,  # any value: every step's tokens are streamed
     "no_stop_trim": False,
-    "ebnf": None,
     "structural_tag": None,
     "custom_params": None,
     "beam_width": None,

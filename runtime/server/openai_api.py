@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from radixflow.runtime.protocol.messages import Chunk, Error, Generate
+from radixflow.runtime.server.chat import ChatPlan, ChatStream, plan_chat
 from radixflow.runtime.server.http_request import (
     HttpError,
     check_fields,
@@ -50,6 +51,7 @@ COMMON = {
     "min_tokens",
     "regex",
     "json_schema",
+    "ebnf",
     "repetition_penalty",
     "stop_token_ids",
     "stop_regex",
@@ -58,23 +60,20 @@ COMMON = {
     "rid",
     "logit_bias",
 }
-CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT = COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "chat_template_kwargs", "separate_reasoning",
+}  # fmt: skip
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # fields OpenAI clients or SGLang's router send that are no-ops at these values (None and
 # empty lists and maps too: http_request.is_noop); other names are ignored with a warning
 NOOP = {
-    "tools": None,
-    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none either
-    "parallel_tool_calls": True,
     "no_stop_trim": False,
     "continue_final_message": False,
-    "separate_reasoning": True,
     "stream_reasoning": True,
     "return_hidden_states": False,
     "lora_path": None,
     "session_params": None,
-    "chat_template_kwargs": None,
-    "ebnf": None,
     "custom_logit_processor": None,
     "custom_params": None,
     "priority": None,
@@ -100,10 +99,10 @@ NOOP = {
     "parallel_sample_num": None,
 }
 ANY = ("user", "metadata", "return_cached_tokens_details", "store")
-ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-# json_object: an object of scalar values. Any nesting ({"type": "object"}) makes outlines-core
-# build an index some 20x larger, which took 50 s on a loaded 2-core machine.
+# json_object under outlines-core: an object of scalar values. Any nesting ({"type": "object"})
+# makes it build an index some 20x larger, which took 50 s on a loaded 2-core machine.
+ANY_OBJECT = {"type": "object"}
 JSON_OBJECT = {
     "type": "object",
     "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
@@ -164,8 +163,11 @@ class OpenAiRoutes:
         self.check_model(body.get("model"))
         return body
 
-    def sampling(self, body: dict[str, Any], prompt_len: int, max_key: str) -> dict[str, Any]:
-        """OpenAI's fields as SGLang's sampling_params (SamplingParams checks the values)."""
+    def sampling(
+        self, body: dict[str, Any], prompt_len: int, max_key: str, constraint: dict[str, str]
+    ) -> dict[str, Any]:
+        """OpenAI's fields as SGLang's sampling_params (SamplingParams checks the values);
+        `constraint` is what the request's tools require (a second constraint is a 400)."""
         context = self.server.model_info["context_length"]
         default = min(self.server.config.max_new_tokens_limit, max(context - prompt_len, 0))
         params: dict[str, Any] = {"max_new_tokens": default}
@@ -187,6 +189,7 @@ class OpenAiRoutes:
             "skip_special_tokens": "skip_special_tokens",
             "regex": "regex",
             "json_schema": "json_schema",
+            "ebnf": "ebnf",
             max_key: "max_new_tokens",
         }
         for name, ours in names.items():
@@ -196,11 +199,20 @@ class OpenAiRoutes:
             params.setdefault("max_new_tokens", body["max_tokens"])
             if body.get("max_completion_tokens") is None:
                 params["max_new_tokens"] = body["max_tokens"]
-        params.update(response_format(body.get("response_format")))
+        nested = self.server.config.grammar_backend == "llguidance"
+        params.update(response_format(body.get("response_format"), nested))
+        if constraint and any(params.get(k) for k in ("regex", "json_schema", "ebnf")):
+            raise HttpError(400, "tool_choice required (or named) takes no other constraint")
+        params.update(constraint)
         return clean_sampling(params, "")
 
     def choices_of(
-        self, prompts: list[list[int]], body: dict[str, Any], max_key: str, top: int
+        self,
+        prompts: list[list[int]],
+        body: dict[str, Any],
+        max_key: str,
+        top: int,
+        constraint: dict[str, str] | None = None,
     ) -> list[Generate]:
         n = typed(body, "n", int, 1)
         if not 1 <= n <= 64:
@@ -209,7 +221,7 @@ class OpenAiRoutes:
         want_logprobs = top >= 0
         msgs = []
         for ids in prompts:
-            base = self.sampling(body, len(ids), max_key)
+            base = self.sampling(body, len(ids), max_key, constraint or {})
             for j in range(n):
                 params = dict(base)
                 if n > 1 and type(params.get("seed")) is int:
@@ -245,7 +257,10 @@ class OpenAiRoutes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.request_body(request, CHAT)
-        text = self.render(body.get("messages"))
+        try:
+            plan = plan_chat(body, self.server.tokenizer, self.server.config)
+        except ValueError as e:  # ToolError among them: the message names the field
+            raise HttpError(400, str(e), "messages") from e
         logprobs = typed(body, "logprobs", bool, False)
         top = typed(body, "top_logprobs", int, None)
         if top is not None and not (logprobs and 0 <= top <= MAX_TOP_LOGPROBS):
@@ -253,9 +268,13 @@ class OpenAiRoutes:
                 400, f"top_logprobs needs logprobs=true and 0..{MAX_TOP_LOGPROBS}", "top_logprobs"
             )
         msgs = self.choices_of(
-            [self.tokenize(text)], body, "max_completion_tokens", (top or 0) if logprobs else -1
+            [self.tokenize(plan.prompt)],
+            body,
+            "max_completion_tokens",
+            (top or 0) if logprobs else -1,
+            plan.constraint,
         )
-        return await self.respond(request, body, msgs, chat=True)
+        return await self.respond(request, body, msgs, plan)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.request_body(request, COMPLETION)
@@ -285,43 +304,20 @@ class OpenAiRoutes:
         if body.get("max_tokens") is None:
             body["max_tokens"] = 16  # OpenAI's default for completions (also for null)
         msgs = self.choices_of(prompts, body, "max_tokens", -1 if top is None else top)
-        return await self.respond(request, body, msgs, chat=False)
-
-    def render(self, messages: Any) -> str:
-        if not isinstance(messages, list) or not messages:
-            raise HttpError(400, "messages must be a non-empty list", "messages")
-        clean = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in ROLES:
-                raise HttpError(400, f"messages[{i}] needs a role in {ROLES}", "messages")
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(
-                    isinstance(p, dict)
-                    and p.get("type") == "text"
-                    and isinstance(p.get("text"), str)
-                    for p in content
-                ):
-                    raise HttpError(
-                        400, f"messages[{i}]: only text content parts are supported", "messages"
-                    )
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise HttpError(400, f"messages[{i}].content must be a string", "messages")
-            role = "system" if message["role"] == "developer" else message["role"]
-            clean.append({"role": role, "content": content})
-        try:
-            return self.server.tokenizer.apply_chat_template(
-                clean, tokenize=False, add_generation_prompt=clean[-1]["role"] != "assistant"
-            )
-        except Exception as e:  # jinja raises its own errors for conversations it refuses
-            raise HttpError(400, f"the chat template refused the messages: {e}", "messages") from e
+        return await self.respond(request, body, msgs, None)
 
     # ---- answers -----------------------------------------------------------------------
 
     async def respond(
-        self, request: web.Request, body: dict[str, Any], msgs: list[Generate], chat: bool
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        msgs: list[Generate],
+        plan: ChatPlan | None,
     ) -> web.StreamResponse:
+        """A chat completion when `plan` is given (messages, tool calls, reasoning), else a
+        text completion."""
+        chat = plan is not None
         include_usage = self.stream_usage(body)  # checked even when not streaming
         sinks = self.door.submit(msgs)
         head = {
@@ -330,18 +326,19 @@ class OpenAiRoutes:
             "model": self.model_name(),
         }
         if msgs[0].stream:
-            return await self.stream(request, include_usage, sinks, msgs, head, chat)
+            return await self.stream(request, include_usage, sinks, msgs, head, plan)
         finals = await self.door.finals(sinks)
         choices = []
         for i, data in enumerate(finals):
             meta = data["meta_info"]
             choice: dict[str, Any] = {"index": i}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": data["text"]}
+            calls = False
+            if plan is not None:
+                choice["message"], calls = plan.message(data["text"])
             else:
                 choice["text"] = data["text"]
             choice["logprobs"] = self.logprobs(meta, msgs[i], chat)
-            choice.update(finish(meta))
+            choice.update(finish(meta, calls))
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
         usage = self.usage([f["meta_info"] for f in finals], msgs)
@@ -354,30 +351,41 @@ class OpenAiRoutes:
         sinks: list[Any],
         msgs: list[Generate],
         head: dict[str, Any],
-        chat: bool,
+        plan: ChatPlan | None,
     ) -> web.StreamResponse:
-        """OpenAI's chunks: per choice a role chunk (chat), content deltas with their tokens'
-        logprobs, a last chunk with finish_reason; a usage chunk when asked; `[DONE]`."""
+        """OpenAI's chunks: per choice a role chunk (chat), content (and reasoning, tool call)
+        deltas with their tokens' logprobs, a last chunk with finish_reason; a usage chunk
+        when asked; `[DONE]`."""
+        chat = plan is not None
         obj = "chat.completion.chunk" if chat else "text_completion"
+        chats = [ChatStream(plan) for _ in sinks] if plan is not None else []
         response = await self.door.sse(request)
         shown = [""] * len(sinks)
         streamed = [0] * len(sinks)  # logprob entries sent so far, per choice
         metas: list[dict[str, Any] | None] = [None] * len(sinks)
 
-        async def send(i: int, delta: str, meta: dict[str, Any], final: dict | None) -> None:
-            choice: dict[str, Any] = {"index": i}
+        async def send(i: int, text: str, meta: dict[str, Any], final: dict | None) -> None:
             if chat:
-                choice["delta"] = {"content": delta} if delta else {}
+                deltas = chats[i].deltas(text, final is not None)
+                if not deltas and final is None and not msgs[i].return_logprob:
+                    return  # held back (a tool call may be starting): nothing to say yet
+                deltas = deltas or [{}]
             else:
-                choice["text"] = delta
-            choice["logprobs"] = self.logprobs(meta, msgs[i], chat) if meta else None
-            choice["finish_reason"] = None
-            if final is not None:
-                choice.update(finish(final))
-            chunk = {**head, "object": obj, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            await self.door.event(response, chunk)
+                delta = text[len(shown[i]) :] if text.startswith(shown[i]) else ""
+                shown[i] = text if text.startswith(shown[i]) else shown[i]
+                deltas = [delta]
+            for j, delta in enumerate(deltas):
+                choice: dict[str, Any] = {"index": i}
+                choice["delta" if chat else "text"] = delta
+                first, last = j == 0, j == len(deltas) - 1
+                choice["logprobs"] = self.logprobs(meta, msgs[i], chat) if meta and first else None
+                choice["finish_reason"] = None
+                if final is not None and last:
+                    choice.update(finish(final, bool(chat and chats[i].calls)))
+                chunk = {**head, "object": obj, "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                await self.door.event(response, chunk)
 
         if chat:
             for i in range(len(sinks)):
@@ -409,9 +417,7 @@ class OpenAiRoutes:
                         top = final.get("output_top_logprobs")
                         meta["output_top_logprobs"] = top[streamed[i] :] if top else None
                 streamed[i] += len(meta.get("output_token_logprobs") or ())
-                delta = text[len(shown[i]) :] if text.startswith(shown[i]) else ""
-                shown[i] = text if text.startswith(shown[i]) else shown[i]
-                await send(i, delta, meta, final)
+                await send(i, text, meta, final)
         if include_usage and all(metas):
             usage = self.usage(metas, msgs)
             await self.door.event(response, {**head, "object": obj, "choices": [], "usage": usage})
@@ -473,9 +479,10 @@ class OpenAiRoutes:
         }
 
 
-def response_format(value: Any) -> dict[str, Any]:
-    """OpenAI's response_format as a constraint: json_object a JSON object (of scalar values,
-    see JSON_OBJECT), json_schema the given schema (both through the constrained decoder)."""
+def response_format(value: Any, nested: bool = True) -> dict[str, Any]:
+    """OpenAI's response_format as a constraint: json_object any JSON object (`nested`: the
+    llguidance backend; outlines-core gets an object of scalar values, JSON_OBJECT), json_schema
+    the given schema, numeric bounds included (both through the constrained decoder)."""
     if value is None:
         return {}
     if not isinstance(value, dict) or value.get("type") not in (
@@ -489,7 +496,7 @@ def response_format(value: Any) -> dict[str, Any]:
     if value["type"] == "text":
         return {}
     if value["type"] == "json_object":
-        return {"json_schema": json.dumps(JSON_OBJECT)}
+        return {"json_schema": json.dumps(ANY_OBJECT if nested else JSON_OBJECT)}
     spec = value.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
@@ -499,7 +506,8 @@ def response_format(value: Any) -> dict[str, Any]:
     return {"json_schema": json.dumps(schema)}
 
 
-def finish(meta: dict[str, Any]) -> dict[str, Any]:
+def finish(meta: dict[str, Any], tool_calls: bool = False) -> dict[str, Any]:
     reason = meta.get("finish_reason") or {}
     matched = reason.get("matched")
-    return {"finish_reason": reason.get("type"), "matched_stop": matched}
+    kind = "tool_calls" if tool_calls else reason.get("type")
+    return {"finish_reason": kind, "matched_stop": matched}

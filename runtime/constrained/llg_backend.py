@@ -1,0 +1,163 @@
+"""The llguidance grammar backend (`--grammar-backend llguidance`), torch-free.
+
+llguidance (a Rust library, no dependencies of its own) parses lazily: a grammar "compiles" in
+about a millisecond (outlines-core builds a DFA over the whole vocabulary first: seconds, tens
+of seconds for nested JSON), and each mask is computed as the request advances, in tens of
+microseconds. It takes the same grammar keys as the outlines-core backend and more:
+  ("regex", pattern)      ("json", schema JSON text; numeric bounds honoured, any nesting)
+  ("choices", JSON list)  ("ebnf", GBNF text, SGLang's `ebnf`; Lark syntax is taken too)
+Same interface as `grammar.GrammarBackend`: submit / poll / get / shutdown, per-request
+grammars with words / fill_mask / accept / is_terminated / copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+from radixflow.runtime.constrained.compiler import GrammarError, GrammarKey
+
+
+def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
+    """llguidance's grammar text for a key; GrammarError naming what is wrong."""
+    kind, text = key
+    matcher = llguidance.LLMatcher
+    if kind == "regex":
+        return matcher.grammar_from_regex(text)
+    if kind == "choices":
+        options = _choices(text)
+        return matcher.grammar_from_regex("|".join(re.escape(o) for o in options))
+    if kind == "json":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
+        defaults = {"whitespace_pattern": whitespace or "[ ]?"}
+        return matcher.grammar_from_json_schema(schema, defaults=defaults)
+    if kind == "ebnf":
+        try:
+            return matcher.grammar_from_lark(any_to_lark(text))
+        except GbnfToLarkError as e:
+            raise GrammarError(f"invalid EBNF grammar: {e}") from e
+    raise GrammarError(f"unknown grammar kind {kind!r} (expected regex, json, choices or ebnf)")
+
+
+def _choices(text: str) -> list[str]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"invalid choices: not valid JSON ({e})") from e
+    if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+        raise GrammarError("choices must be a non-empty list of strings")
+    return options
+
+
+class LlgGrammar:
+    """One request's matcher; never shared. Mutates: `accept` advances it; `fill_mask` writes
+    only the row it is given. Raises GrammarError for a token the grammar forbids."""
+
+    def __init__(self, backend: LlgBackend, spec: str) -> None:
+        self._backend, self._spec = backend, spec
+        self._matcher = llguidance.LLMatcher(backend.tokenizer, spec, log_level=0)
+
+    @property
+    def words(self) -> int:
+        return self._backend.words
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        assert row.dtype == np.int32 and row.shape == (self.words,), f"{row.dtype=} {row.shape=}"
+        assert row.flags.c_contiguous, "mask row must be contiguous"
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept(self, token_id: int) -> None:
+        if self._matcher.is_stopped() and token_id not in self._backend.eos_token_ids:
+            raise GrammarError(f"token {token_id} after the grammar ended")
+        if not self._matcher.consume_token(token_id):
+            problem = self._matcher.get_error().split("\n", 1)[0]
+            raise GrammarError(f"token {token_id} is not allowed by the grammar here: {problem}")
+
+    def is_terminated(self) -> bool:
+        """True once EOS was accepted or when nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+    def copy(self) -> LlgGrammar:
+        """A fresh grammar at the start."""
+        return LlgGrammar(self._backend, self._spec)
+
+
+class LlgBackend:
+    """Grammar keys to per-request matchers. A key's grammar is built and validated once and
+    cached (LRU, failures too); building takes about a millisecond, so it happens in the
+    caller's thread and `poll` never returns None."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        whitespace_pattern: str | None = None,
+        cache_size: int = 256,
+    ) -> None:
+        assert eos_token_ids, "a grammar needs at least one EOS id"
+        self.vocab_size, self.words = vocab_size, -(-vocab_size // 32)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.whitespace = whitespace_pattern
+        self._hf_tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[GrammarKey, str | GrammarError] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary: built on first use (a few seconds), shared by
+        the backends of one tokenizer (engines made by `with_config` share theirs)."""
+        return _llg_tokenizer(self._hf_tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def submit(self, key: GrammarKey) -> None:
+        self._spec(key)
+
+    def poll(self, key: GrammarKey) -> LlgGrammar | GrammarError:
+        spec = self._spec(key)
+        return spec if isinstance(spec, GrammarError) else LlgGrammar(self, spec)
+
+    def get(self, key: GrammarKey, timeout: float | None = None) -> LlgGrammar:
+        result = self.poll(key)
+        if isinstance(result, GrammarError):
+            raise result
+        return result
+
+    def shutdown(self) -> None:
+        """Nothing runs in the background."""
+
+    def _spec(self, key: GrammarKey) -> str | GrammarError:
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            spec = grammar_spec(key, self.whitespace)
+            problem = llguidance.LLMatcher.validate_grammar(spec)
+            result: str | GrammarError = GrammarError(problem.strip()) if problem else spec
+        except GrammarError as e:
+            result = e
+        except (ValueError, TypeError, RuntimeError) as e:  # llguidance's own build errors
+            result = GrammarError(f"invalid {key[0]} grammar: {e}")
+        with self._lock:
+            self._cache[key] = result
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return result
+
+
+@functools.lru_cache(maxsize=4)
+def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))

@@ -1,0 +1,179 @@
+"""Chat completions' messages and replies: the conversation (tool calls and tool results
+included) through the chat template, `tools`/`tool_choice` into a grammar, and each reply back
+into OpenAI's message (`content`, `reasoning_content`, `tool_calls`), whole or as stream deltas
+(torch-free).
+
+The tool-call format is `--tool-call-parser`, or inferred from the chat template
+(runtime/server/tool_calls.py); `--reasoning-parser` splits the think block. Per request,
+`chat_template_kwargs` reach the template (for example `enable_thinking: false`) and
+`separate_reasoning: false` leaves the think block in `content`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixflow.runtime.server.reasoning import ReasoningParser
+from radixflow.runtime.server.tool_calls import (
+    Format,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolError,
+    chosen,
+    generic_system,
+    get_format,
+    infer_format,
+    message_for_template,
+    parse_tool_choice,
+    parse_tools,
+)
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What one chat request asks: its prompt, the constraint its tools add, and how its
+    replies are read back."""
+
+    prompt: str
+    constraint: dict[str, str]  # sampling params (regex / json_schema) or {}
+    tool_format: Format | None  # None: tools are off (none given, or tool_choice none)
+    reasoning: ReasoningParser | None
+    thinking: bool
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """(the assistant message of a finished reply, whether it calls tools)."""
+        reasoning, content = self.split(text)
+        calls: list[ToolCall] = []
+        if self.tool_format is not None:
+            content, calls = self.tool_format.parse(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if not calls and message["content"] is None:
+            message["content"] = ""
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message, bool(calls)
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", text
+        if final:
+            return self.reasoning.split(text, self.thinking)
+        return self.reasoning.visible(text, self.thinking)
+
+
+@dataclass
+class ChatStream:
+    """One choice's stream: cumulative text in, OpenAI deltas out. Content that may be the
+    start of a tool call is held back until the reply shows what it is."""
+
+    plan: ChatPlan
+    sent_reasoning: str = ""
+    sent_content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        reasoning, content = self.plan.split(text, final)
+        fmt = self.plan.tool_format
+        if fmt is not None and final:
+            content, self.calls = fmt.parse(content)
+        elif fmt is not None:
+            content = content[: fmt.holdback(content)]
+        out = []
+        if reasoning.startswith(self.sent_reasoning) and len(reasoning) > len(self.sent_reasoning):
+            out.append({"reasoning_content": reasoning[len(self.sent_reasoning) :]})
+            self.sent_reasoning = reasoning
+        if content.startswith(self.sent_content) and len(content) > len(self.sent_content):
+            out.append({"content": content[len(self.sent_content) :]})
+            self.sent_content = content
+        for i, call in enumerate(self.calls):
+            out.append({"tool_calls": [{"index": i, **call.openai()}]})
+        return out
+
+
+def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
+    """Render a chat request's prompt and read its tool and reasoning options. Raises
+    ToolError (or ValueError) naming the field that is wrong."""
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be a boolean")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ToolError("chat_template_kwargs must be an object")
+    name = config.tool_call_parser or infer_format(getattr(tokenizer, "chat_template", None))
+    fmt = get_format(name) if choice.mode != "none" else None
+    generic = name == "generic"
+    messages = clean_messages(body.get("messages"), generic)
+    offered = chosen(tools, choice) if fmt is not None else []
+    if generic and offered:
+        messages = with_system(messages, generic_system(offered))
+    template_tools = [t.openai() for t in offered] if offered and not generic else None
+    prompt = render(tokenizer, messages, template_tools, kwargs)
+    constraint: dict[str, str] = {}
+    if fmt is not None and choice.mode == "required":
+        constraint = fmt.grammar(offered, parallel)
+    elif fmt is not None and generic:  # auto: a call or an answer, always one that parses
+        constraint = {"json_schema": json.dumps(fmt.schema(offered, parallel, answer=True))}
+    separate = body.get("separate_reasoning", True)
+    reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
+    thinking = bool(kwargs.get("enable_thinking", True))
+    return ChatPlan(prompt, constraint, fmt, reasoning if separate else None, thinking)
+
+
+def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ToolError("messages must be a non-empty list")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ToolError(f"messages[{i}] needs a role in {ROLES}")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise ToolError(f"messages[{i}]: only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if content is None and not calls:
+            raise ToolError(f"messages[{i}].content must be a string")
+        if content is not None and not isinstance(content, str):
+            raise ToolError(f"messages[{i}].content must be a string")
+        role = "system" if message["role"] == "developer" else message["role"]
+        clean.append(message_for_template({**message, "role": role, "content": content}, generic))
+    return clean
+
+
+def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The tools' description joins the system turn (or opens one)."""
+    if messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=messages[-1]["role"] != "assistant",
+            **kwargs,
+        )
+    except Exception as e:  # jinja raises its own errors for conversations it refuses
+        raise ToolError(f"the chat template refused the messages: {e}") from e
+
+
+__all__ = ["ChatPlan", "ChatStream", "Tool", "ToolChoice", "plan_chat"]

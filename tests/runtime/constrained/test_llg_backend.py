@@ -1,0 +1,101 @@
+"""The llguidance backend (runtime/constrained/llg_backend.py) on SmolLM2's tokenizer: masks
+admit exactly the tokens of valid documents, EOS only where the grammar may end, EBNF and
+nested JSON objects compile, numeric bounds hold, and bad grammars fail with GrammarError."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from radixflow.runtime.constrained.compiler import GrammarError
+from radixflow.runtime.constrained.grammar import GrammarBackend
+from radixflow.runtime.constrained.llg_backend import LlgBackend
+from radixflow.runtime.models.loader import resolve_model_dir
+from radixflow.runtime.tokenizer import load_tokenizer
+
+ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_dir("smollm2", None))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer) -> LlgBackend:
+    return LlgBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+
+
+def allowed(grammar, words: int) -> np.ndarray:
+    row = np.zeros(words, dtype=np.int32)
+    grammar.fill_mask(row)
+    return np.unpackbits(row.view(np.uint8), bitorder="little").astype(bool)
+
+
+def walk(backend, tokenizer, key, text: str) -> bool:
+    """Whether `text` is accepted token by token and may end there."""
+    grammar = backend.get(key)
+    eos = tokenizer.eos_token_id
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not allowed(grammar, backend.words)[token]:
+            return False
+        grammar.accept(token)
+    return bool(allowed(grammar, backend.words)[eos])
+
+
+def test_ebnf_documents_and_non_documents(backend, tokenizer) -> None:
+    key = ("ebnf", ARITHMETIC)
+    assert walk(backend, tokenizer, key, "12+(3-4)+5")
+    assert not walk(backend, tokenizer, key, "12+")  # may not end after an operator
+    assert not walk(backend, tokenizer, key, "12*3")
+
+
+def test_nested_json_object_and_bounds(backend, tokenizer) -> None:
+    any_object = ("json", '{"type": "object"}')
+    assert walk(backend, tokenizer, any_object, json.dumps({"a": [1, {"b": None}], "c": "d"}))
+    assert not walk(backend, tokenizer, any_object, "[1, 2]")
+    schema = {"type": "object", "properties": {"d": {"type": "integer", "maximum": 7}}}
+    bounded = ("json", json.dumps({**schema, "required": ["d"]}))
+    assert walk(backend, tokenizer, bounded, '{"d": 7}')
+    assert not walk(backend, tokenizer, bounded, '{"d": 8}')
+
+
+def test_same_documents_as_outlines(backend, tokenizer) -> None:
+    """On the grammars both take, both backends accept and refuse the same texts."""
+    outlines = GrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    try:
+        cases = [
+            (("regex", r"\d{4}-\d{2}-\d{2}"), ["2026-12-03", "2026-1-03", "2026-12-033"]),
+            (("choices", '["yes", "no"]'), ["yes", "no", "maybe", "ye"]),
+            (("json", '{"type": "object", "properties": {"n": {"type": "integer"}}, '
+                      '"required": ["n"], "additionalProperties": false}'),
+             ['{"n": 12}', '{"n": "12"}', '{"m": 1}']),
+        ]  # fmt: skip
+        for key, texts in cases:
+            for text in texts:
+                ours = walk(backend, tokenizer, key, text)
+                assert ours == walk(outlines, tokenizer, key, text), (key, text)
+    finally:
+        outlines.shutdown()
+
+
+def test_eos_ends_and_forbidden_tokens_raise(backend, tokenizer) -> None:
+    grammar = backend.get(("choices", '["yes"]'))
+    eos = tokenizer.eos_token_id
+    assert not allowed(grammar, backend.words)[eos]
+    with pytest.raises(GrammarError):
+        grammar.copy().accept(tokenizer.encode("no", add_special_tokens=False)[0])
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        grammar.accept(token)
+    assert grammar.is_terminated() and allowed(grammar, backend.words)[eos]
+
+
+@pytest.mark.parametrize(
+    "key", [("ebnf", "root ::= ("), ("json", "{not json"), ("regex", "a)("), ("choices", "[]")]
+)
+def test_bad_grammars_fail_clearly(backend, key) -> None:
+    with pytest.raises(GrammarError):
+        backend.get(key)
+    assert isinstance(backend.poll(key), GrammarError)  # cached: the same answer again
