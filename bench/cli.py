@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from radixflow.bench import baselines
 from radixflow.bench import report as out
-from radixflow.bench.dsl import PROGRAMS, DslSystem
+from radixflow.bench.dsl import DslSystem
 from radixflow.bench.engine import SCHEDULER_MODES, RadixflowSystem
 from radixflow.bench.harness import run_workload, warm_up
 from radixflow.bench.roofline import best_of, compute_roofline
@@ -138,14 +138,15 @@ def run_system(
     """One system on every workload it has a form for -> (rows, workloads it skipped)."""
 
     rows, skipped = [], []
-    for workload in workloads:
-        progress.set_postfix_str(workload)
+    for name in workloads:
+        progress.set_postfix_str(name)
+        workload = make(name)
         if system.name != "radixflow-dsl":
-            rows.append(run_workload(system, make(workload), references))
-        elif workload in PROGRAMS:
-            rows.append(system.run_workload(make(workload)))
+            rows.append(run_workload(system, workload, references))
+        elif workload.programs:  # a program form: the DSL runs the same definition
+            rows.append(system.run_workload(workload))
         else:
-            skipped.append(workload)
+            skipped.append(name)
         progress.update()
     return rows, skipped
 

@@ -1,13 +1,12 @@
-"""radixflow-dsl: the program workloads end to end as `@function` programs over a live server
+"""radixflow-dsl: the program workloads end to end through the DSL over a live server
 (`radixflow.Runtime`, started once per bench run), so the frontend and the wire are measured.
 
-Each program takes one entry of `Workload.programs` and appends exactly the text the
-token-level rounds encode (bench/workloads.py), greedy with EOS ignored and the same
-`max_new_tokens`, so its outputs can be compared with the Engine's. It returns its outputs
-round by round; the workload's own round generator is then replayed on them to count prompt
-tokens and the best hit rate. Which workloads have a program form: every one but long_mix,
-whose long prompts arrive when the first chat has produced N tokens, a moment only a caller
-stepping the scheduler sees.
+One `@function`, `program`, runs any workload program: it interprets the program's steps
+(bench/workloads.py, the one definition the Engine rows' rounds are derived from too) with
+`s += text`, `gen`, `select` and `fork`, greedy with EOS ignored and the same `max_new_tokens`,
+so its outputs can be compared with the Engine's. It returns its outputs round by round; the
+workload's own round generator is then replayed on them to count prompt tokens and the best
+hit rate. Every workload but long_mix has a program form (see bench/workloads.py).
 
 What differs from the Engine rows: TTFT and ITL are not measured (a program sees a whole
 generation, not its tokens); the hit rate is the share of the workload's prompt tokens the
@@ -22,15 +21,7 @@ from typing import Any
 import radixflow as sgl
 from radixflow.bench.harness import RssSampler, Tally
 from radixflow.bench.rounds import BenchError, RoundResult
-from radixflow.bench.workloads import (
-    ACTION,
-    APPROACH,
-    END_TURN,
-    OBSERVATION,
-    STEP,
-    THOUGHT,
-    Workload,
-)
+from radixflow.bench.workloads import Fork, Gen, Program, Select, Text, Workload
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # A program's call waits as long as the work takes: on a loaded machine one few_shot round
@@ -38,70 +29,48 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 CALL_TIMEOUT_S = 3600.0
 
 
-def output(s: Any, name: str) -> dict[str, Any]:
-    """A generation's text and token count (blocks until it finished)."""
+@sgl.function
+def program(s: Any, steps: Program) -> list:
+    """One workload program through the DSL. Each `Gen` or `Select` queues on every live
+    branch (the branches run in parallel), then waits for their results: one list per round
+    (live branches in order), {"text", "tokens"} per generation, the option's index per select."""
+    branches, rounds = [s], []
+    for k, step in enumerate(steps):
+        if isinstance(step, Text):
+            for branch in branches:
+                branch += step.text
+        elif isinstance(step, Fork):
+            branches = [leaf for branch in branches for leaf in branch.fork(step.width)]
+            for i, leaf in enumerate(branches):
+                leaf += step.label.format(i % step.width + 1)
+        else:
+            for branch in branches:
+                branch += _expr(step, f"out{k}")
+            rounds.append([_result(step, branch, f"out{k}") for branch in branches])
+    return rounds
+
+
+def _expr(step: Gen | Select, name: str) -> Any:
+    if isinstance(step, Select):
+        return sgl.select(name, choices=list(step.choices))
+    return sgl.gen(name, max_tokens=step.new, json_schema=step.schema, **GREEDY)
+
+
+def _result(step: Gen | Select, s: Any, name: str) -> Any:
+    """A generation's text and token count, or the chosen option's index (blocks)."""
+    if isinstance(step, Select):
+        return step.choices.index(s[name])
     return {"text": s[name], "tokens": s.get_meta_info(name)["completion_tokens"]}
 
 
-@sgl.function
-def one_generation(s: Any, prompt: str, new: int, schema: str | None = None) -> list:
-    """few_shot, independent, json_decode: one prompt, one generation."""
-    s += prompt
-    s += sgl.gen("out", max_tokens=new, json_schema=schema, **GREEDY)
-    return [[output(s, "out")]]
-
-
-@sgl.function
-def chat(s: Any, system: str, users: list[str], new: int) -> list:
-    """multi_turn: the turns in order, each reply ending its turn."""
-    s += system
-    replies = []
-    for turn, user in enumerate(users):
-        s += ("" if turn == 0 else END_TURN) + user
-        s += sgl.gen(f"reply{turn}", max_tokens=new, **GREEDY)
-        replies.append([output(s, f"reply{turn}")])
-    return replies
-
-
-@sgl.function
-def tree(s: Any, root: str, width: int, new: int) -> list:
-    """tree_of_thought: fork `width` approaches, then fork each of them `width` ways."""
-    s += root
-    branches = s.fork(width)
-    for i, branch in enumerate(branches):
-        branch += APPROACH.format(i + 1)
-        branch += sgl.gen("approach", max_tokens=new, **GREEDY)
-    first = [output(b, "approach") for b in branches]
-    leaves = [leaf for branch in branches for leaf in branch.fork(width)]
-    for k, leaf in enumerate(leaves):
-        leaf += STEP.format(k % width + 1)
-        leaf += sgl.gen("step", max_tokens=new, **GREEDY)
-    return [first, [output(leaf, "step") for leaf in leaves]]
-
-
-@sgl.function
-def agent(s: Any, start: str, observations: list[str], choices: list[str], new: int) -> list:
-    """agent: think (generation), act (select among the tools), observe; step by step."""
-    s += start
-    steps = []
-    for step, observation in enumerate(observations):
-        s += THOUGHT.format(step + 1)
-        s += sgl.gen(f"thought{step}", max_tokens=new, **GREEDY)
-        s += ACTION
-        s += sgl.select(f"action{step}", choices=choices)
-        steps += [[output(s, f"thought{step}")], [choices.index(s[f"action{step}"])]]
-        s += OBSERVATION.format(observation)
-    return steps
-
-
-PROGRAMS = {
-    "few_shot": one_generation,
-    "multi_turn": chat,
-    "tree_of_thought": tree,
-    "json_decode": one_generation,
-    "agent": agent,
-    "independent": one_generation,
-}
+def run_programs(programs: list[Program], backend: Any) -> list[Any]:
+    """Every program at once, one thread each (`run_batch`) -> their ProgramStates."""
+    return program.run_batch(
+        [{"steps": p} for p in programs],
+        backend=backend,
+        num_threads=len(programs),
+        chat_template="default",  # no stop strings: token counts stay fixed
+    )
 
 
 class DslSystem:
@@ -118,21 +87,15 @@ class DslSystem:
         self.pid = self.runtime.process.pid  # its RSS counts the scheduler process too
 
     def warm_up(self) -> None:
-        one_generation.run(prompt="Hello", new=4, backend=self.runtime, chat_template="default")
+        program.run(steps=(Text("Hello"), Gen(4)), backend=self.runtime, chat_template="default")
 
     def run_workload(self, workload: Workload) -> dict[str, Any]:
         """Run the workload's programs; the row has the Engine rows' fields."""
-        program = PROGRAMS[workload.name]
         self.endpoint.flush_cache()
         before = self.endpoint.stats()["prefill_tokens_computed"]
         with RssSampler(self.pid) as rss:
             start = time.perf_counter()
-            states = program.run_batch(
-                workload.programs,
-                backend=self.runtime,
-                num_threads=len(workload.programs),
-                chat_template="default",  # no stop strings: token counts stay fixed
-            )
+            states = run_programs(workload.programs, self.runtime)
             wall = time.perf_counter() - start
         failed = [s.error() for s in states if s.error() is not None]
         if failed:
@@ -153,7 +116,7 @@ def replay(workload: Workload, per_program: list[list[list[Any]]]) -> Tally:
     rounds, so prompts and token counts are counted as for every other system."""
     tally, calls = Tally(), next(workload.rounds)
     for index in range(len(per_program[0])):
-        outputs = [out for program in per_program for out in program[index]]
+        outputs = [out for rounds in per_program for out in rounds[index]]
         if len(outputs) != len(calls):
             raise BenchError(f"round {index}: {len(outputs)} outputs for {len(calls)} calls")
         results = [out if call.options else out["text"] for call, out in zip(calls, outputs)]

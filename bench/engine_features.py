@@ -1,13 +1,15 @@
-"""Engine-level measurements, side by side in one run (issues 2 and 3).
+"""The offline Engine's features measured one by one, side by side in one run.
 
-    python programs/bench_engine.py            # everything
-    python programs/bench_engine.py decode     # single stream + 16 streams vs transformers
-    python programs/bench_engine.py load       # cold (fresh cache dir) and cached load
-    python programs/bench_engine.py radix      # shared 600-token prefix, cache on vs off
-    python programs/bench_engine.py chunked    # ITL p99 while long prompts arrive
-    python programs/bench_engine.py constrained  # 16 JSON-schema requests vs unconstrained
+    python -m radixflow.bench.engine_features              # everything
+    python -m radixflow.bench.engine_features decode       # 1 and 16 streams vs transformers
+    python -m radixflow.bench.engine_features load         # cold (fresh cache dir) and cached
+    python -m radixflow.bench.engine_features radix        # shared 600-token prefix, cache on/off
+    python -m radixflow.bench.engine_features chunked      # ITL p99 while long prompts arrive
+    python -m radixflow.bench.engine_features constrained  # 16 JSON-schema requests vs plain
 
-Greedy, fixed token counts (ignore_eos), same prompts for every system.
+Greedy, fixed token counts (ignore_eos), same prompts for every system. Only the Engine's
+public API (`generate`, `submit`/`step` for arrivals during decoding, `stats`, `with_config`),
+so a refactor cannot change these numbers without changing what users see.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from radixflow.runtime import Engine
-from radixflow.runtime.protocol.sampling import SamplingParams
-from radixflow.runtime.scheduler.request import Req
 
 STORY = (
     "The lighthouse keeper kept a log of every ship that passed the northern cape. Over forty "
@@ -35,15 +38,13 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
 
 
 def bench_decode(engine: Engine) -> None:
-    from transformers import AutoModelForCausalLM
-
     tok = engine.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(engine.model_info["model_path"], dtype=torch.float32)
     hf.eval()
@@ -127,41 +128,27 @@ def bench_radix(engine: Engine) -> None:
 
 
 def bench_chunked(engine: Engine) -> None:
+    """16 chats decode; after the 10th step two 2000-token prompts arrive (`submit` between
+    `step`s). ITL is the gaps between the chats' tokens, as each request recorded them."""
     tok = engine.tokenizer
     short = [chat(f"Chat {i}: tell me about the sea.") for i in range(16)]
     long_ids = [
         tok.encode((STORY * 80)[: 9000 + i], add_special_tokens=False)[:2000] for i in range(2)
     ]
+    chat_params = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
+    long_params = {"max_new_tokens": 8, "temperature": 0}
     for name, size in (("chunked 256", 256), ("chunking off", -1)):
         eng = engine.with_config(chunked_prefill_size=size, max_prefill_tokens=4096)
-        sched = eng.scheduler
-        reqs = []
-        sp = SamplingParams.from_dict({"max_new_tokens": 96, "temperature": 0, "ignore_eos": True})
-        for i, text in enumerate(short):
-            req = Req(
-                rid=f"s{i}", input_ids=tok.encode(text, add_special_tokens=False), sampling=sp
-            )
-            reqs.append(req)
-            sched.add_request(req)
+        chats, longs = eng.submit(short, chat_params), []
         start = time.perf_counter()
-        step = 0
-        while sched.has_work:
-            sched.step()
-            step += 1
-            if step == 10:  # two long prompts arrive while the chats decode
-                for ids in long_ids:
-                    sched.add_request(
-                        Req(
-                            rid=f"l{step}-{len(ids)}",
-                            input_ids=list(ids),
-                            sampling=SamplingParams.from_dict(
-                                {"max_new_tokens": 8, "temperature": 0}
-                            ),
-                        )
-                    )
+        steps = 0
+        while eng.step():
+            steps += 1
+            if steps == 10:  # two long prompts arrive while the chats decode
+                longs = eng.submit(input_ids=long_ids, sampling_params=long_params)
         wall = time.perf_counter() - start
-        gaps = np.concatenate([np.diff(r.token_times) for r in reqs])
-        out_tokens = sum(len(r.output_ids) for r in reqs) + 2 * 8
+        gaps = np.concatenate([np.diff(h.token_times) for h in chats])
+        out_tokens = sum(h.num_output_tokens for h in chats + longs)
         print(
             f"16 decoding chats + 2 x 2000-token prompts, {name}: ITL p99 "
             f"{np.percentile(gaps, 99) * 1000:.0f} ms, max {gaps.max() * 1000:.0f} ms, "
@@ -192,14 +179,14 @@ SCHEMA = {
 
 def bench_constrained(engine: Engine) -> None:
     """16 JSON-schema requests vs the same 16 unconstrained, equal token counts; plus the
-    cold and cached compile time of the schema."""
-    import json
-
-    grammars = engine.scheduler.grammars
-    key = ("json", json.dumps(SCHEMA))
-    cold, _ = timed(lambda: grammars.get(key))
-    cached, _ = timed(lambda: grammars.get(key))
-    print(f"schema compile: cold {cold * 1000:.0f} ms, cached {cached * 1e6:.0f} us")
+    first request under the schema (its grammar compiled) and a second (compiled: cached)."""
+    probe = {"max_new_tokens": 1, "temperature": 0, "json_schema": SCHEMA}
+    cold, _ = timed(lambda: engine.generate(chat("Describe a person as JSON."), probe))
+    cached, _ = timed(lambda: engine.generate(chat("Describe a person as JSON."), probe))
+    print(
+        f"one token under a new schema: {cold * 1000:.0f} ms (compile included), "
+        f"again {cached * 1000:.0f} ms (grammar cached)"
+    )
     prompts = [chat(f"Describe person {i} as JSON.") for i in range(16)]
     constrained = {"max_new_tokens": 128, "temperature": 0, "json_schema": SCHEMA}
     wall_c, outs = timed(lambda: engine.generate(prompts, constrained))
@@ -213,22 +200,32 @@ def bench_constrained(engine: Engine) -> None:
     )
 
 
-def main(argv: list[str]) -> None:
-    parts = argv or ["load", "decode", "radix", "chunked", "constrained"]
+PARTS = ("load", "decode", "radix", "chunked", "constrained")
+
+
+def main(argv: list[str]) -> int:
+    parts = argv or list(PARTS)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        print(f"unknown parts {unknown}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
     print(f"torch threads {torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if "load" in parts:
         bench_load()
-    engine = Engine(max_total_tokens=65536) if set(parts) - {"load"} else None
-    benches = (
-        ("decode", bench_decode),
-        ("radix", bench_radix),
-        ("chunked", bench_chunked),
-        ("constrained", bench_constrained),
-    )
-    for name, fn in benches:
-        if name in parts:
-            fn(engine)
+    if set(parts) == {"load"}:
+        return 0
+    with Engine(model="smollm2", max_total_tokens=65536) as engine:
+        benches = (
+            ("decode", bench_decode),
+            ("radix", bench_radix),
+            ("chunked", bench_chunked),
+            ("constrained", bench_constrained),
+        )
+        for name, fn in benches:
+            if name in parts:
+                fn(engine)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

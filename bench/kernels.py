@@ -1,7 +1,7 @@
 """Time the Triton attention kernels against the torch reference and SDPA on one CUDA GPU.
 
-    python programs/bench_kernels.py                  # 64 requests x 2048 cached tokens
-    python programs/bench_kernels.py --dtype bf16 --splits 16 --extend 512
+    python -m radixflow.bench.kernels                 # 64 requests x 2048 cached tokens
+    python -m radixflow.bench.kernels --dtype bf16 --splits 16 --extend 512
 
 Decode: one new token per request over `context` pooled tokens at shuffled slots. Extend:
 `extend` new tokens per request over a cached prefix of `context - extend` tokens. SDPA runs
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from radixflow.kernels import reference
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -82,8 +84,7 @@ def sdpa(
 
 def decode_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
     """The decode implementations to time; each returns (B, H, D)."""
-    from radixflow.kernels import reference
-    from radixflow.kernels.triton.decode_attention import decode_attention
+    from radixflow.kernels.triton.decode_attention import decode_attention  # noqa: PLC0415 (optional: triton, CUDA only)
 
     k_buffer, v_buffer, slots = make_pool(shape, shape.batch * shape.context)
     kv_indptr = uniform_indptr(shape.batch, shape.context)
@@ -105,8 +106,7 @@ def decode_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
 
 def extend_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
     """The extend implementations to time; each returns (B * extend, H, D)."""
-    from radixflow.kernels import reference
-    from radixflow.kernels.triton.extend_attention import extend_attention
+    from radixflow.kernels.triton.extend_attention import extend_attention  # noqa: PLC0415 (optional: triton, CUDA only)
 
     prefix = shape.context - shape.extend
     k_buffer, v_buffer, slots = make_pool(shape, shape.batch * shape.context)
@@ -143,7 +143,7 @@ def extend_cases(shape: Shape) -> dict[str, Callable[[], torch.Tensor]]:
 def time_cases(op: str, cases: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
     """Print a row per case: milliseconds, ratio to the Triton kernel, max abs diff from the
     torch reference. Returns the milliseconds by case name."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # noqa: PLC0415 (optional: triton, CUDA only)
 
     expected = cases["torch reference"]().float()
     times = {
@@ -159,7 +159,8 @@ def time_cases(op: str, cases: dict[str, Callable[[], torch.Tensor]]) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
-            "bench_kernels.py needs a CUDA GPU: the Triton kernels only run there.", file=sys.stderr
+            "radixflow.bench.kernels needs a CUDA GPU: the Triton kernels only run there.",
+            file=sys.stderr,
         )
         return 2
     shape = parse_args(argv)

@@ -20,8 +20,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
-
 if __package__:  # imported as radixflow.bench.peers
     from radixflow.bench import rounds
 else:  # run by path in a peer's venv: load the sibling under a name nothing else uses
@@ -248,6 +246,7 @@ class LlamaCppBackend:
         """Evaluate (seq, position, token, want) entries, n_batch at a time. -> for each entry
         with a want, in order: (its greedy next token, or the logprob of token `want`, the
         time its batch finished). Out of cells: evict finished sequences and retry."""
+        import numpy as np  # noqa: PLC0415 (the peer's venv has it; the top is stdlib only)
 
         values, batch = [], self.batch
         for start in range(0, len(entries), self.n_batch):

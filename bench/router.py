@@ -1,17 +1,17 @@
 """Data-parallel replicas behind sglang-router: routing policies side by side, in one run.
 
-    python programs/bench_router.py [--quick] [--programs 8] [--json out.json]
-                                    [--policies cache_aware,round_robin]
-                                    [--workloads few_shot,agent,multi_turn]
+    python -m radixflow.bench.router [--quick] [--programs 8] [--json out.json]
+                                     [--policies cache_aware,round_robin]
+                                     [--workloads few_shot,agent,multi_turn]
 
 Setups, one after the other on this machine: one replica (all cores) behind sglang-router,
 then, per policy, `--dp-size 2` replicas (1 thread each) behind it. Every setup runs the
-`radixflow bench` program workloads (bench/dsl.py's @function programs, greedy; the first
-`--programs` programs of each, full size unless `--quick`) through the router URL with
-`RuntimeEndpoint`, one client thread per program, from a cold cache (the router fans
-/flush_cache out). The single replica sits behind the router too, so every setup sends the
-same requests (select scores through /generate there as well). The digest is a hash of the
-programs' outputs (texts and chosen options): equal digests, equal outputs.
+`radixflow bench` program workloads (bench/workloads.py's programs through bench/dsl.py's
+@function, greedy; the first `--programs` programs of each, full size unless `--quick`)
+through the router URL with `RuntimeEndpoint`, one client thread per program, from a cold
+cache (the router fans /flush_cache out). The single replica sits behind the router too, so
+every setup sends the same requests (select scores through /generate there as well). The
+digest is a hash of the programs' outputs (texts and chosen options): equal digests, equal outputs.
 
 Figures per (setup, workload): wall time and output tokens/s; the cache hit rate as the
 replicas count it, cached / prompt tokens summed over every replica's /server_info (these
@@ -82,9 +82,7 @@ def run_workload(
         endpoint.flush_cache()
         before = replica_counters(urls, api_key)
         start = time.perf_counter()
-        states = dsl.PROGRAMS[name].run_batch(
-            programs, backend=endpoint, num_threads=len(programs), chat_template="default"
-        )
+        states = dsl.run_programs(programs, endpoint)
         wall = time.perf_counter() - start
         after = replica_counters(urls, api_key)
     finally:

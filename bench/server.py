@@ -1,7 +1,7 @@
 """Tiny requests through the server's three doors and the offline Engine, side by side, in one run.
 
-    python programs/bench_server.py [--requests 1000] [--threads 16] [--max-new-tokens 8]
-                                    [--doors zmq,http,chat] [--no-engine]
+    python -m radixflow.bench.server [--requests 1000] [--threads 16] [--max-new-tokens 8]
+                                     [--doors zmq,http,chat] [--no-engine]
 
 One server; per door, `--threads` client threads send `--requests` greedy requests (distinct
 prompts) and latency is per request as the client sees it: `zmq` through one shared
@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from radixflow.backend import Runtime
+from radixflow import Runtime
+from radixflow.runtime import Engine
 
 TOPICS = "rivers stones clouds music paper light bridges trains gardens oceans".split()
 
@@ -140,8 +141,6 @@ def bench_server(
 
 
 def bench_engine(prompts: list[str], params: dict, config: dict) -> tuple:
-    from radixflow.runtime import Engine
-
     with Engine(**config) as engine:
         engine.generate("warm up", params)
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Speculative decoding off vs on, side by side in one run (issue 18).
 
-    python programs/bench_speculative.py                 # single stream and batch 16
-    python programs/bench_speculative.py --programs 2    # fewer programs per workload
+    python -m radixflow.bench.speculative                # single stream and batch 16
+    python -m radixflow.bench.speculative --programs 2   # fewer programs per workload
 
 Workloads: json_decode, agent and multi_turn from radixflow.bench.workloads (their first
 N programs, greedy, EOS ignored, the same token counts for both) and a plain chat. Single
@@ -56,7 +56,7 @@ def chat_rounds(codec: Codec, num: int, new: int) -> Any:
 def rounds_of(name: str, codec: Codec, num: int) -> Any:
     if name == "chat":
         return chat_rounds(codec, num, 96)
-    return getattr(workloads, name)(codec, quick=False).rounds
+    return workloads.WORKLOADS[name](codec, False).rounds
 
 
 def run_pair(
@@ -151,7 +151,7 @@ def measure(engine: Engine, codec: Codec, name: str, num: int, width: int, repea
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--programs", type=int, default=4, help="programs per workload, single")
     parser.add_argument("--batch", type=int, default=16)
@@ -161,13 +161,9 @@ def main() -> None:
         "--batch-repeats", type=int, default=5, help="the same for batch rows (shorter, noisier)"
     )
     parser.add_argument("--json", default="", help="write the rows here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     engine = Engine(model="smollm2", max_total_tokens=32768)
-    tok = engine.tokenizer
-    codec = Codec(
-        lambda s: tok.encode(s, add_special_tokens=False),
-        lambda ids: tok.decode(ids, skip_special_tokens=True),
-    )
+    codec = workloads.server_codec(engine.tokenizer)
     rows = []
     for name in args.workloads.split(","):
         for mode, num, width in (("single", args.programs, 1), ("batch", args.batch, args.batch)):

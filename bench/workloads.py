@@ -7,10 +7,17 @@ them. A program with dependent steps (a chat turn, an agent step, a tree level) 
 per step, so every system replays the same structure on its own outputs with the same token
 counts.
 
+Six workloads are *programs*, each written once, as data: a tuple of steps per program
+(`Text` appends, `Gen` generates, `Select` picks an option, `Fork` splits into branches).
+Both forms every system runs are derived from that one definition: the token-level rounds
+(`program_rounds`, what the Engine and the baselines replay) and the `@function` program
+(bench/dsl.py interprets the same steps through the DSL over a live server). So the two
+cannot drift. long_mix has no program form: its long prompts arrive when the first chat has
+produced N tokens, which only a caller stepping the scheduler sees.
+
 Prompts are text, encoded whole, and a round's outputs join the next prompt as decoded text:
 exactly what a DSL program sends over the wire (the server encodes the whole text it is
-given). So the token-level rounds and the `@function` forms in bench/dsl.py, which take
-`Workload.programs` as their arguments, describe the same prompts id for id.
+given), so both forms send the same prompts id for id.
 
     python -m radixflow.bench.workloads     # sizes of each workload (full and --quick)
 
@@ -35,7 +42,7 @@ WORDS = (
     "kid body information back parent face others level office door health person art war "
     "history party result change morning reason research girl guy moment air teacher force"
 ).split()
-# The text that joins a program's steps; bench/dsl.py appends the same strings.
+# The text that joins a program's steps.
 ASSISTANT = "<|im_start|>assistant\n"
 END_TURN = "<|im_end|>\n"
 APPROACH = "Approach {}:"
@@ -46,6 +53,40 @@ OBSERVATION = "\nObservation: {}\n"
 
 Result = list[int] | str | int  # generated ids (or their text), or the chosen option's index
 Rounds = Generator[list["Call"], list[Result], None]
+
+
+@dataclass(frozen=True)
+class Text:
+    """Append `text` to every live branch."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Gen:
+    """Generate `new` tokens (greedy, EOS ignored) on every live branch: one round."""
+
+    new: int
+    schema: str | None = None  # a JSON schema, where the system supports it
+
+
+@dataclass(frozen=True)
+class Select:
+    """Pick one of `choices` (scored continuations) on every live branch: one round."""
+
+    choices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Split every live branch `width` ways; branch i (from 1) appends `label.format(i)`."""
+
+    width: int
+    label: str
+
+
+Step = Text | Gen | Select | Fork
+Program = tuple[Step, ...]  # one program of a workload; a workload's programs step alike
 
 
 @dataclass(frozen=True)
@@ -78,7 +119,47 @@ class Workload:
     num_programs: int
     rounds: Rounds
     codec: Codec
-    programs: list[dict[str, Any]] = field(default_factory=list)  # arguments of the DSL form
+    programs: list[Program] = field(default_factory=list)  # the definition; [] for long_mix
+
+
+def program_rounds(programs: list[Program], codec: Codec) -> Rounds:
+    """The programs side by side, step by step: each `Gen` or `Select` is one round of every
+    live branch of every program (program-major); its results join each branch as text."""
+    assert len({len(p) for p in programs}) == 1, "a workload's programs step alike"
+    branches = [[""] for _ in programs]  # per program: the text of each live branch
+    for column in zip(*programs):  # the same step of every program
+        assert len({type(step) for step in column}) == 1, f"programs step apart: {column}"
+        if isinstance(column[0], Text):
+            branches = [[b + s.text for b in bs] for s, bs in zip(column, branches)]
+        elif isinstance(column[0], Fork):
+            branches = [
+                [b + s.label.format(i + 1) for b in bs for i in range(s.width)]
+                for s, bs in zip(column, branches)
+            ]
+        else:
+            calls = [_call(s, b, codec) for s, bs in zip(column, branches) for b in bs]
+            results = iter((yield calls))
+            branches = [
+                [b + _joined(s, next(results), codec) for b in bs]
+                for s, bs in zip(column, branches)
+            ]
+
+
+def _call(step: Gen | Select, text: str, codec: Codec) -> Call:
+    if isinstance(step, Select):
+        options = tuple(tuple(codec.encode(c)) for c in step.choices)
+        return Call(tuple(codec.encode(text)), options=options)
+    return Call(tuple(codec.encode(text)), step.new, step.schema)
+
+
+def _joined(step: Gen | Select, result: Result, codec: Codec) -> str:
+    """The text a round's result appends: the generation, or the chosen option."""
+    return step.choices[result] if isinstance(step, Select) else codec.text(result)
+
+
+def program_workload(name: str, programs: list[Program], codec: Codec) -> Workload:
+    """A workload defined by its programs: its rounds are derived from them."""
+    return Workload(name, len(programs), program_rounds(programs, codec), codec, programs)
 
 
 def sentence(rng: random.Random, num_words: int) -> str:
@@ -101,12 +182,8 @@ def few_shot(codec: Codec, quick: bool) -> Workload:
 
     shots = "".join(f"{question()} {rng.choice('ABCD')}\n\n" for _ in range(num_shots))
     prefix = "The following are multiple choice questions about history.\n\n" + shots
-    programs = [{"prompt": prefix + question(), "new": new} for _ in range(num_questions)]
-
-    def rounds() -> Rounds:
-        yield [Call(tuple(codec.encode(p["prompt"])), new) for p in programs]
-
-    return Workload("few_shot", num_questions, rounds(), codec, programs)
+    programs = [(Text(prefix + question()), Gen(new)) for _ in range(num_questions)]
+    return program_workload("few_shot", programs, codec)
 
 
 def multi_turn(codec: Codec, quick: bool) -> Workload:
@@ -118,19 +195,11 @@ def multi_turn(codec: Codec, quick: bool) -> Workload:
     for turn in range(num_turns):
         for chat in range(num_chats):
             users[chat][turn] = chat_turn("user", sentence(rng, 30)) + ASSISTANT
-    programs = [{"system": system, "users": u, "new": new} for u in users]
-
-    def rounds() -> Rounds:
-        history = [system + u[0] for u in users]
-        for turn in range(num_turns):
-            outputs = yield [Call(tuple(codec.encode(h)), new) for h in history]
-            if turn + 1 < num_turns:
-                history = [
-                    h + codec.text(out) + END_TURN + u[turn + 1]
-                    for h, out, u in zip(history, outputs, users)
-                ]
-
-    return Workload("multi_turn", num_chats, rounds(), codec, programs)
+    programs = [
+        (Text(system), *(step for user in u for step in (Text(user), Gen(new), Text(END_TURN))))
+        for u in users
+    ]
+    return program_workload("multi_turn", programs, codec)
 
 
 def tree_of_thought(codec: Codec, quick: bool) -> Workload:
@@ -139,20 +208,10 @@ def tree_of_thought(codec: Codec, quick: bool) -> Workload:
     num_problems, width, new = (1, 2, 8) if quick else (8, 3, 32)
     header = "Solve the problem step by step, exploring several approaches.\n\n"
     roots = [f"{header}Problem: {sentence(rng, 40)}\n" for _ in range(num_problems)]
-    programs = [{"root": root, "width": width, "new": new} for root in roots]
-
-    def rounds() -> Rounds:
-        level = [root + APPROACH.format(i + 1) for root in roots for i in range(width)]
-        for depth in range(2):
-            outputs = yield [Call(tuple(codec.encode(p)), new) for p in level]
-            if depth == 0:
-                level = [
-                    p + codec.text(out) + STEP.format(j + 1)
-                    for p, out in zip(level, outputs)
-                    for j in range(width)
-                ]
-
-    return Workload("tree_of_thought", num_problems, rounds(), codec, programs)
+    programs = [
+        (Text(root), Fork(width, APPROACH), Gen(new), Fork(width, STEP), Gen(new)) for root in roots
+    ]
+    return program_workload("tree_of_thought", programs, codec)
 
 
 PERSON_SCHEMA = json.dumps(
@@ -187,15 +246,8 @@ def json_decode(codec: Codec, quick: bool) -> Workload:
             f"{city}. {sentence(rng, 10)}\nJSON:"
         )
 
-    programs = [
-        {"prompt": instruction + item(), "new": new, "schema": PERSON_SCHEMA}
-        for _ in range(num_items)
-    ]
-
-    def rounds() -> Rounds:
-        yield [Call(tuple(codec.encode(p["prompt"])), new, PERSON_SCHEMA) for p in programs]
-
-    return Workload("json_decode", num_items, rounds(), codec, programs)
+    programs = [(Text(instruction + item()), Gen(new, PERSON_SCHEMA)) for _ in range(num_items)]
+    return program_workload("json_decode", programs, codec)
 
 
 ACTIONS = ("search", "calculate", "lookup", "finish")
@@ -211,26 +263,17 @@ def agent(codec: Codec, quick: bool) -> Workload:
     for step in range(num_steps):
         for k in range(num_agents):
             observations[k][step] = sentence(rng, 20)
-    choices = [f" {a}" for a in ACTIONS]  # a select continuation keeps its leading space
-    options = tuple(tuple(codec.encode(c)) for c in choices)
-    programs = [
-        {"start": s, "observations": o, "choices": choices, "new": new}
-        for s, o in zip(starts, observations)
-    ]
+    choices = tuple(f" {a}" for a in ACTIONS)  # a select continuation keeps its leading space
 
-    def rounds() -> Rounds:
-        traces = list(starts)
-        for step in range(num_steps):
-            traces = [t + THOUGHT.format(step + 1) for t in traces]
-            thoughts = yield [Call(tuple(codec.encode(t)), new) for t in traces]
-            traces = [t + codec.text(out) + ACTION for t, out in zip(traces, thoughts)]
-            chosen = yield [Call(tuple(codec.encode(t)), options=options) for t in traces]
-            traces = [
-                t + choices[c] + OBSERVATION.format(obs[step])
-                for t, c, obs in zip(traces, chosen, observations)
-            ]
+    def program(start: str, observed: list[str]) -> Program:
+        steps: list[Step] = [Text(start)]
+        for step, observation in enumerate(observed):
+            steps += [Text(THOUGHT.format(step + 1)), Gen(new), Text(ACTION), Select(choices)]
+            steps.append(Text(OBSERVATION.format(observation)))
+        return tuple(steps)
 
-    return Workload("agent", num_agents, rounds(), codec, programs)
+    programs = [program(s, o) for s, o in zip(starts, observations)]
+    return program_workload("agent", programs, codec)
 
 
 def independent(codec: Codec, quick: bool, num_prompts: int = 0) -> Workload:
@@ -239,18 +282,13 @@ def independent(codec: Codec, quick: bool, num_prompts: int = 0) -> Workload:
     rng = random.Random(SEED + 5)
     default_prompts, new = (4, 8) if quick else (64, 128)
     num_prompts = num_prompts or default_prompts
-    programs = [{"prompt": sentence(rng, 20), "new": new} for _ in range(num_prompts)]
-
-    def rounds() -> Rounds:
-        yield [Call(tuple(codec.encode(p["prompt"])), new) for p in programs]
-
-    return Workload("independent", num_prompts, rounds(), codec, programs)
+    programs = [(Text(sentence(rng, 20)), Gen(new)) for _ in range(num_prompts)]
+    return program_workload("independent", programs, codec)
 
 
 def long_mix(codec: Codec, quick: bool) -> Workload:
     """Short chats decoding while long prompts arrive one after another (chunked prefill).
-    No DSL form: its long prompts arrive when the first chat has produced N tokens, which
-    only a caller stepping the scheduler sees."""
+    No program form: its long prompts arrive when the first chat has produced N tokens."""
     rng = random.Random(SEED + 6)
     num_chats, chat_new, num_long, long_words, long_new, gap = (
         (2, 24, 1, 300, 4, 8) if quick else (16, 128, 4, 3000, 16, 24)

@@ -5,6 +5,7 @@ stdlib-only worker, the Engine's public API). No assertions on speed."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from radixflow.bench import dsl, workloads
+from radixflow.bench import dsl, engine_features, workloads
 from radixflow.bench.baselines import WORKER_STUB, plan_batches
 from radixflow.bench.roofline import best_of, compute_roofline, roofline_note
 from radixflow.bench.rounds import Arrivals, percentile
@@ -34,7 +35,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_quick_bench_writes_a_sane_report_and_a_chart(tmp_path: Path) -> None:
     import torch
 
-    from radixflow.runtime.cli import main
+    from radixflow.lab.cli import main  # the `radixflow` command
 
     path, plot = tmp_path / "out.json", tmp_path / "x.png"
     argv = ["bench", "--quick", "--json", str(path), "--plot", str(plot)]
@@ -142,32 +143,88 @@ class RecordingBackend:
         return {}
 
 
-@pytest.mark.parametrize("name", sorted(dsl.PROGRAMS))
-def test_dsl_programs_send_exactly_the_rounds_prompts(name: str) -> None:
-    """Every program form sends the prompts the token-level rounds encode, round for round:
-    the live test compares outputs on two workloads; this covers every program form."""
-    backend = RecordingBackend()
-    workload = workloads.WORKLOADS[name](CHARS, True)
-    states = dsl.PROGRAMS[name].run_batch(
-        workload.programs, backend=backend, num_threads=1, chat_template="default"
-    )
-    assert all(s.error() is None for s in states)
-    per_program = [s.ret_value for s in states]
-    calls, generations, selects = next(workload.rounds), [], []
+PROGRAM_WORKLOADS = ("few_shot", "multi_turn", "tree_of_thought", "json_decode", "agent",
+                     "independent")  # fmt: skip
+
+
+def walk(workload: workloads.Workload, per_program: list[list[list[Any]]]) -> dict[str, list]:
+    """Replay the programs' results through the workload's token-level rounds (what the
+    Engine rows run) -> the prompt texts of its generations and selects, and every call."""
+    calls, sent = next(workload.rounds), {"generated": [], "scored": [], "calls": []}
     for index in range(len(per_program[0])):
         outputs = [out for program in per_program for out in program[index]]
+        sent["calls"] += calls
         for call in calls:
-            (selects if call.options else generations).append(CHARS.decode(list(call.input_ids)))
+            kind = "scored" if call.options else "generated"
+            sent[kind].append(CHARS.decode(list(call.input_ids)))
         try:
             calls = workload.rounds.send(
                 [o if c.options else o["text"] for c, o in zip(calls, outputs)]
             )
         except StopIteration:
             break
-    assert sorted(backend.generated) == sorted(generations)
-    assert sorted(backend.scored) == sorted(selects)
+    return sent
+
+
+@pytest.mark.parametrize("name", PROGRAM_WORKLOADS)
+def test_dsl_programs_send_exactly_the_rounds_prompts(name: str) -> None:
+    """The DSL row and the Engine row of a program workload send the same prompts, round for
+    round: the @function over the workload's programs (recorded by a stand-in server) against
+    the token-level rounds replayed on the program's own results. The live test compares
+    outputs on two workloads; this covers every program workload, forks and selects included."""
+    workload = workloads.WORKLOADS[name](CHARS, True)
+    backend = RecordingBackend()
+    states = dsl.run_programs(workload.programs, backend)
+    assert all(s.error() is None for s in states)
+    per_program = [s.ret_value for s in states]
+    sent = walk(workload, per_program)
+    assert sorted(backend.generated) == sorted(sent["generated"]) and sent["generated"]
+    assert sorted(backend.scored) == sorted(sent["scored"])
+    assert (name == "agent") == bool(sent["scored"])
     again = dsl.replay(workloads.WORKLOADS[name](CHARS, True), per_program)
     assert len(again.rounds) == len(per_program[0])
+
+
+def test_the_engine_and_dsl_rows_come_from_one_definition() -> None:
+    """Every workload but long_mix has programs, and its token-level rounds are the ones
+    derived from those programs (not a second, hand-kept copy): edit a step of the definition
+    and both the rounds and the DSL's prompts change with it."""
+    with_programs = {n for n in workloads.WORKLOADS if workloads.WORKLOADS[n](CHARS, True).programs}
+    assert with_programs == set(PROGRAM_WORKLOADS)
+    for name in PROGRAM_WORKLOADS:
+        workload = workloads.WORKLOADS[name](CHARS, True)
+        edited = [
+            tuple(workloads.Text(s.text + "#") if isinstance(s, workloads.Text) else s for s in p)
+            for p in workload.programs
+        ]
+        for programs in (workload.programs, edited):
+            backend = RecordingBackend()
+            states = dsl.run_programs(programs, backend)
+            per_program = [s.ret_value for s in states]
+            rounds = walk(workloads.program_workload(name, programs, CHARS), per_program)
+            assert sorted(backend.generated) == sorted(rounds["generated"])
+            if programs is workload.programs:  # the workload's own rounds are these rounds
+                assert walk(workload, per_program)["calls"] == rounds["calls"]
+                assert not any("#" in text for text in backend.generated)
+            else:
+                assert all("#" in text for text in backend.generated + backend.scored)
+
+
+STUDIES = ("engine_features", "kernels", "router", "server", "speculative", "tp_step")
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_the_studies_run_as_modules_of_the_installed_package(study: str) -> None:
+    """`python -m radixflow.bench.<study>` resolves by installed names alone (no sys.path
+    edits, nothing from programs/), and exposes the `main` its __main__ block calls."""
+    module = importlib.import_module(f"radixflow.bench.{study}")
+    assert callable(module.main)
+    source = Path(module.__file__).read_text()
+    assert "sys.path" not in source and "import common" not in source
+
+
+def test_engine_features_rejects_an_unknown_part() -> None:
+    assert engine_features.main(["radix", "nonsense"]) == 2
 
 
 def test_late_calls_arrive_when_the_lead_has_enough_tokens() -> None:

@@ -10,17 +10,16 @@ address (127.0.0.2, 127.0.0.3) and the router launched by hand.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -28,11 +27,10 @@ import psutil
 import pytest
 
 import radixflow as sgl
+from conftest import Server, die_with_parent, start_server
+from radixflow.bench import router as bench_router
 from radixflow.runtime import cli
 from radixflow.runtime.distributed import data_parallel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "programs"))
-bench_router = importlib.import_module("bench_router")
 
 HAS_ROUTER = importlib.util.find_spec("sglang_router") is not None
 needs_router = pytest.mark.skipif(not HAS_ROUTER, reason="pip install sglang-router (test extra)")
@@ -42,17 +40,15 @@ OPTIONS = {"max_total_tokens": 4096, "log_level": "warning"}
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Any:
-    runtime = sgl.Runtime(
-        model_path="smollm2",
+def cluster() -> Iterator[Server]:
+    with start_server(
         dp_size=2,
         threads_per_replica=1,
         api_key=KEY,
         launch_timeout=900.0,  # two model loads on a shared 2-core machine
         **OPTIONS,
-    )
-    yield runtime
-    runtime.shutdown()
+    ) as server:
+        yield server
 
 
 def replicas(router_url: str) -> list[str]:
@@ -224,45 +220,30 @@ def test_a_killed_replica_loses_no_client_and_rejoins(cluster: Any) -> None:
     wait_for(victim_serves, 120, "the restarted replica serving requests")
 
 
-def start_host(host: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--host", host, "--port", "0"]
-    cmd += ["--api-key", KEY, "--num-threads", "1", "--max-total-tokens", "4096"]
-    cmd += ["--log-level", "warning"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-
-
-def ready_url(process: subprocess.Popen[bytes]) -> str:
-    assert process.stdout is not None
-    for raw in process.stdout:  # bounded by the server's own start or exit
-        found = re.search(r"ready on (http://\S+)", raw.decode())
-        if found:
-            return found.group(1)
-    raise AssertionError(f"server exited ({process.wait()}) before its ready line")
-
-
 @needs_router
 @pytest.mark.slow
 def test_many_hosts_behind_a_router_launched_by_hand() -> None:
     """Each host on its own loopback address with --api-key; `sglang-router launch
     --worker-urls ... --api-key` in front; programs through it equal one host's."""
-    hosts = [start_host(h) for h in ("127.0.0.2", "127.0.0.3")]
-    router = None
-    try:
-        urls = [ready_url(p) for p in hosts]
+    host = {"api_key": KEY, "num_threads": 1, "max_total_tokens": 4096, "log_level": "warning"}
+    with contextlib.ExitStack() as servers:
+        urls = [servers.enter_context(start_server(host=h, **host)).url
+                for h in ("127.0.0.2", "127.0.0.3")]  # fmt: skip
         assert [u.split(":")[1] for u in urls] == ["//127.0.0.2", "//127.0.0.3"]
         port = data_parallel.free_port("127.0.0.1")
         cmd = [*data_parallel.router_command(), "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--worker-urls", *urls, "--api-key", KEY, "--policy", "cache_aware"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port"]
         cmd += [str(data_parallel.free_port("127.0.0.1")), "--log-level", "warn"]
-        router = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        router = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent()
+        )
+        servers.callback(data_parallel.terminate, [router])
         router_url = f"http://127.0.0.1:{port}"
         wait_for(lambda: healthy(router_url) == 2, 120, "both hosts registered")
         routed = bench_router.run_workload(router_url, "agent", True, KEY)
         single = bench_router.run_workload(urls[1], "agent", True, KEY, replicas=[urls[1]])
         assert routed["per_program"] == single["per_program"]
-    finally:
-        data_parallel.terminate([p for p in (router, *hosts) if p is not None])
 
 
 @needs_router
