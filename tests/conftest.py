@@ -1,13 +1,32 @@
-"""Shared fixtures: one loaded SmolLM2 per test session; engines with other configs share it."""
+"""Shared fixtures: one loaded SmolLM2 per test session; engines with other configs share it
+(released when their module is done); `radixflow serve` subprocesses that die with pytest."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 # Tests use the machine's two cores; torch's default is fine, but keep tokenizers quiet.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The suite's own cache (converted GGUF, native kernels, decode loop), shared by the session
+# and kept between runs: set before anything loads a model, so the suite never writes into
+# the user's ~/.cache/radixflow; servers started below inherit it. Gitignored.
+SUITE_CACHE = Path(__file__).resolve().parents[1] / ".pytest-cache" / "radixflow"
+os.environ["RADIXFLOW_CACHE"] = str(SUITE_CACHE)
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -34,9 +53,10 @@ def engine():
         yield eng
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def make_engine(engine):
-    """make_engine(**config) -> an Engine sharing the session's weights (self_check on)."""
+    """make_engine(**config) -> an Engine sharing the session's weights (self_check on); its
+    KV pool and threads are released when the module is done."""
     made = []
 
     def make(**changes):
@@ -59,3 +79,168 @@ def hf_model(engine):
         engine.model_info["model_path"], dtype=torch.float32
     )
     return model.eval()
+
+
+def finishes(fn: Any, timeout: float = 10.0) -> Any:
+    """Run fn in a thread; fail the test if it does not return in time (a hang)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed back to the test thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "call did not return: a thread hangs"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---- Triton on CPU ---------------------------------------------------------------------------
+
+
+def use_the_triton_interpreter() -> None:
+    """Call at the top of a module that runs the Triton kernels on CPU tensors, before
+    triton or radixflow.kernels.triton is imported.
+
+    Without CUDA it sets TRITON_INTERPRET=1. On a CUDA machine it skips the calling module
+    instead: the flag is read once per kernel, when its module is imported, and it is
+    process-wide, so setting it here would make tests/kernels/test_kernels_gpu.py in the same
+    run interpreted (or skipped). There, run these in a CPU-only process:
+    `CUDA_VISIBLE_DEVICES= pytest tests/kernels/test_kernels.py`."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip(
+            "Triton interpreter tests: CUDA is visible, so the kernels are compiled for it; "
+            "run with CUDA_VISIBLE_DEVICES= to interpret them",
+            allow_module_level=True,
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+# ---- servers ---------------------------------------------------------------------------------
+
+READY = re.compile(r"^radixflow ready on (https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets SIGKILL when this process dies, SIGKILL included
+    (Linux's PR_SET_PDEATHSIG; a server's scheduler follows its server the same way while
+    it loads, then through its --parent-pid watch, as tensor-parallel ranks do). Popen from
+    the main thread: the signal follows the thread that forked."""
+    parent = os.getpid()
+    # looked up here, not in the forked child (dlopen's lock may be held by another thread)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the call above
+                os._exit(1)
+
+    return preexec
+
+
+def serve_flags(config: dict[str, Any]) -> list[str]:
+    """ServerConfig fields -> `radixflow serve` flags (booleans as --x / --no-x)."""
+    flags = []
+    for name, value in config.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+class Server:
+    """A `radixflow serve --port 0` child of pytest, with radixflow.Runtime's attributes
+    (`process`, `url` for HTTP, `address` for ZeroMQ or None behind --dp-size, `endpoint`,
+    `generate()`, `get_tokenizer()`, `shutdown()`), so programs take it as their backend."""
+
+    def __init__(
+        self, model_path: str = "smollm2", log_level: str = "error",
+        launch_timeout: float = 300.0, endpoint_timeout: float = 60.0, **config: Any,
+    ) -> None:  # fmt: skip
+        from radixflow import RuntimeEndpoint
+        from radixflow.runtime.config import config_from_kwargs
+
+        checked = config_from_kwargs(model=model_path, port=0, **config)  # unknown names fail
+        self.stop_wait_s = checked.shutdown_timeout + 30.0  # the server drains, then exits
+        cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--model", model_path]
+        cmd += ["--port", "0", "--log-level", log_level, *serve_flags(config)]
+        self.endpoint: Any = None
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=die_with_parent()
+        )
+        self.url, self.address = self._wait_ready(launch_timeout)
+        address = self.address or self.url
+        self.endpoint = RuntimeEndpoint(
+            address, api_key=config.get("api_key"), timeout=endpoint_timeout
+        )
+
+    def _wait_ready(self, timeout: float) -> tuple[str, str | None]:
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:  # read stdout for good: a full pipe would block the server
+            assert self.process.stdout is not None
+            for raw in self.process.stdout:
+                lines.put(raw.decode(errors="replace"))
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with contextlib.suppress(queue.Empty):
+                found = READY.match(lines.get(timeout=0.5))
+                if found:
+                    return found.group(1), found.group(2)
+        self.shutdown()
+        raise RuntimeError(
+            f"`radixflow serve` not ready within {timeout:.0f}s (exit code "
+            f"{self.process.returncode}; its log is on stderr)"
+        )
+
+    def generate(self, prompt: str, sampling_params: dict | None = None, **kwargs: Any) -> dict:
+        return self.endpoint.generate(prompt, sampling_params, **kwargs)
+
+    def get_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.endpoint.model_info()["model_path"])
+
+    def shutdown(self) -> None:
+        """SIGTERM (the server drains up to --shutdown-timeout, stops its scheduler), SIGKILL
+        30 s after that; idempotent."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.stop_wait_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@contextlib.contextmanager
+def start_server(**options: Any) -> Iterator[Server]:
+    """with start_server(max_total_tokens=4096, api_key=KEY) as rt: ... -- Server's options
+    (model_path, log_level, launch_timeout, endpoint_timeout) and ServerConfig fields."""
+    server = Server(**options)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runtime(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The module's server, configured by the module's `SERVER = {...}` (start_server's
+    options), stopped when the module is done."""
+    with start_server(**getattr(request.module, "SERVER", {})) as server:
+        yield server

@@ -14,10 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-import radixflow as sgl
-
 PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
 sys.path.insert(0, str(PROGRAMS))
 
@@ -26,12 +22,8 @@ def program(name: str) -> Any:
     return importlib.import_module(name)
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Any:
-    runtime = sgl.Runtime(model_path="smollm2", max_total_tokens=8192)
-    runtime.endpoint.timeout = 300.0  # the test machine's 2 cores may be shared
-    yield runtime
-    runtime.shutdown()
+# conftest's module-scoped `runtime`; the test machine's 2 cores may be shared
+SERVER = dict(max_total_tokens=8192, endpoint_timeout=300.0)
 
 
 def test_multi_turn_chat(runtime: Any) -> None:

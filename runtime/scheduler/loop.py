@@ -8,9 +8,11 @@ scheduler and model are wired exactly as for the offline Engine (`engine.build_s
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -180,6 +182,7 @@ def _progress_meta(req: Req) -> dict[str, Any]:
 def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int) -> None:
     """The scheduler process: load the model, say ready, loop until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server decides
+    _die_with_parent(parent_pid, signal.SIGKILL)  # while loading: the loop only watches later
     ctx = zmq.Context()
     inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
     outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
@@ -187,6 +190,7 @@ def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int
     tp = bundle.loaded.tp
     outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
     stopped = False  # told to stop, or orphaned: the other ranks stop too
+    _die_with_parent(parent_pid, 0)  # from here an orphan cleans up (the loop's watch)
     try:
         loop = SchedulerLoop(
             bundle.scheduler, inbox, outbox, parent_pid, tp.check if tp is not None else None
@@ -202,3 +206,12 @@ def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int
         inbox.close()
         outbox.close()
         ctx.term()
+
+
+def _die_with_parent(parent_pid: int, sig: int) -> None:
+    """Linux: `sig` this process when the server dies, even by SIGKILL (0: no longer), so a
+    scheduler still loading its model does not outlive it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    if sig and os.getppid() != parent_pid:  # the server died before the call above
+        os._exit(1)

@@ -3,16 +3,24 @@ CPU (a tiny random Llama with SmolLM2's tokenizer, the Triton kernels in the int
 decode graphs through the "record" backend), in its own process."""
 
 import json
+import operator
 import os
 import subprocess
 import sys
 
+from conftest import die_with_parent
+
 
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    # as a user runs it: the dry run itself must choose the Triton interpreter (not inherit
+    # it from tests/kernels/test_kernels.py's import in this process)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
     cmd = [sys.executable, "-m", "radixflow.runtime.gpu_check", "--dry-run", "--out", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=env, preexec_fn=die_with_parent()
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] and report["dry_run"]
@@ -37,4 +45,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert cached["radix_cache"] and not uncached["radix_cache"]
     assert cached["cache_hit_rate"] > 0.3 and uncached["cache_hit_rate"] == 0
     assert all(0 < r["share_of_roofline"] < 1 for r in rows if "roofline_tokens_per_s" in r)
-    assert len(report["throughput"]) - len(rows) == 6  # shared-prefix off / graphs on: CUDA
+    # every (radix cache, shared prefix, graphs) configuration has a row; on CPU those with
+    # the shared-prefix switch off or graphs on are skipped, saying why, and only those
+    configs = {(c, s, g) for c in (True, False) for s in (True, False) for g in (True, False)}
+    label = operator.itemgetter("radix_cache", "shared_prefix", "cuda_graph")
+    skipped = [r for r in report["throughput"] if "skipped" in r]
+    assert {label(r) for r in skipped} == {k for k in configs if not k[1] or k[2]}
+    assert len(skipped) == 6 and all("CUDA graphs" in r["skipped"] for r in skipped)
+    assert [label(r) for r in rows] == [(True, True, False)] * 5 + [(False, True, False)] * 2

@@ -2,9 +2,9 @@
 runs on any device) on CUDA, at realistic shapes, fp16/bf16, with and without shared-prefix
 groups.
 
-Run in its own process (`pytest -m gpu tests/kernels/test_kernels_gpu.py`):
-tests/kernels/test_kernels.py
-sets TRITON_INTERPRET=1 when it is imported, which would make these run interpreted.
+`pytest -m gpu tests/` runs these compiled: the interpreter modules (tests/kernels/test_kernels.py,
+tests/runtime/model_executor/test_cuda_graph.py) set TRITON_INTERPRET=1 only without CUDA
+(conftest.use_the_triton_interpreter). Set by hand, it would make these interpreted: they skip.
 On the GPU the kernels feed fp16/bf16 operands to tl.dot (probabilities rounded to the
 activation dtype before P·V), so tolerances are those of the activation dtype.
 """
@@ -19,7 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") == "1",
-        reason="TRITON_INTERPRET=1 is set (tests/kernels/test_kernels.py in the same run?)",
+        reason="TRITON_INTERPRET=1 is set: these test the compiled kernels",
     ),
 ]
 

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-import radixflow as sgl
 from radixflow.lab.cli import main as lab_main
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    rt = sgl.Runtime(model_path="smollm2", max_total_tokens=4096, max_running_requests=2)
-    yield rt
-    rt.shutdown()
+SERVER = dict(max_total_tokens=4096, max_running_requests=2)  # conftest's `runtime`
 
 
 def test_diagnose_and_tree_over_zeromq(runtime, capsys, tmp_path) -> None:

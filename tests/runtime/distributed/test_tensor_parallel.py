@@ -32,8 +32,8 @@ import torch
 from family_models import FAMILIES, one_thread, save_family, save_gemma3_multimodal
 from tp_ranks import CPU, VARIANTS, ragged_logits
 
-from conftest import CHAT_PROMPTS, chat
-from radixflow.backend import Runtime, RuntimeEndpointError
+from conftest import CHAT_PROMPTS, Server, chat, die_with_parent, start_server
+from radixflow.backend import RuntimeEndpointError
 from radixflow.runtime import Engine
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.model_runner import load_model
@@ -45,7 +45,7 @@ from radixflow.runtime.scheduler.batch import build_plan
 TOLERANCE = 1e-4
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 TINY = {"device": "cpu", "dtype": "float32", "num_threads": 1, "max_total_tokens": 2048}
-HELPER = Path(__file__).with_name("tp_ranks.py")
+HELPER = Path(__file__).resolve().parents[2] / "tp_ranks.py"  # rank 1 of the tiny families
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,9 @@ def test_tiny_families_tp2_logits_match_tp1(tmp_path) -> None:
         save_gemma3_multimodal(tmp_path)  # renamed names, a vision tower not read
     listener = socket.create_server(("127.0.0.1", 0))
     addr = f"127.0.0.1:{listener.getsockname()[1]}"
-    rank1 = subprocess.Popen([sys.executable, str(HELPER), addr, str(tmp_path)])
+    rank1 = subprocess.Popen(
+        [sys.executable, str(HELPER), addr, str(tmp_path)], preexec_fn=die_with_parent()
+    )
     errors: dict[str, float] = {}
     local_kv_heads: dict[str, int] = {}
     try:
@@ -213,7 +215,7 @@ def _workers(scheduler_pid: int) -> list[psutil.Process]:
 
 
 def test_killed_rank_fails_requests_then_the_server_recovers(tiny_llama) -> None:
-    with Runtime(str(tiny_llama), tp_size=2, log_level="warning", **TINY) as rt:
+    with start_server(model_path=str(tiny_llama), tp_size=2, log_level="warning", **TINY) as rt:
         before = rt.endpoint.generate("Hello", GREEDY)
         scheduler_pid = rt.endpoint.health()["scheduler_pid"]
         (worker,) = _workers(scheduler_pid)
@@ -277,10 +279,11 @@ def test_two_nodes_on_loopback_serve_like_one(tiny_llama) -> None:
     node1 = subprocess.Popen(
         [sys.executable, "-m", "radixflow.runtime", "serve", "--model-path", str(tiny_llama),
          "--node-rank", "1", "--log-level", "warning", *flags],
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
     )  # fmt: skip
     try:
-        with Runtime(str(tiny_llama), node_rank=0, log_level="warning", **nodes) as rt:
+        options = {"model_path": str(tiny_llama), "log_level": "warning", **nodes}
+        with start_server(node_rank=0, **options) as rt:
             assert _generate_all(rt, prompts) == want
             assert rt.endpoint.health()["scheduler_restarts"] == 0
             (rank1,) = psutil.Process(node1.pid).children()
@@ -296,7 +299,7 @@ def test_two_nodes_on_loopback_serve_like_one(tiny_llama) -> None:
             node1.kill()
 
 
-def wait_for_health(rt: Runtime, done: Any, timeout: float = 180) -> dict:
+def wait_for_health(rt: Server, done: Any, timeout: float = 180) -> dict:
     deadline = time.monotonic() + timeout
     while not done(health := rt.endpoint.health()):
         assert time.monotonic() < deadline, health
@@ -304,7 +307,7 @@ def wait_for_health(rt: Runtime, done: Any, timeout: float = 180) -> dict:
     return health
 
 
-def _generate_all(rt: Runtime, prompts: list[str]) -> list[Any]:
+def _generate_all(rt: Server, prompts: list[str]) -> list[Any]:
     """All prompts at once (one thread each), so they batch: -> output ids in order."""
     results: list[Any] = [None] * len(prompts)
 

@@ -4,9 +4,9 @@ shared-prefix layout are checked against the eager forward without a GPU. The Tr
 run in the interpreter; real torch.cuda.CUDAGraph capture only runs under CUDA
 (`python -m radixflow.runtime.gpu_check`)."""
 
-import os
+from conftest import use_the_triton_interpreter
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton (and our kernels) are imported
+use_the_triton_interpreter()  # without CUDA; with it the module is skipped
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -372,6 +372,27 @@ def watch_mixing(engine) -> list[tuple[int, int]]:
     return seen
 
 
+BATCH_PROMPTS = [chat(p) for p in CHAT_PROMPTS] + [
+    REPEATING[0],
+    REPEATING[1],
+    chat("Spell the word banana letter by letter, separated by dashes."),
+    chat("Repeat the word 'echo' ten times."),
+]
+
+
+def test_one_greedy_batch_of_chats_equals_it_without_speculation(engine, spec_engine) -> None:
+    """Nine chats as ONE batch, greedy, with n-gram drafts and without: the same tokens per
+    prompt (the slow tests below add constraints, stops, logprobs, streaming)."""
+    params = {"max_new_tokens": 24, "temperature": 0}
+    before = spec_engine.stats()["spec_accepted"]
+    expected = [o["output_ids"] for o in engine.generate(BATCH_PROMPTS, params)]
+    got = [o["output_ids"] for o in spec_engine.generate(BATCH_PROMPTS, params)]
+    for i, (ours, ref) in enumerate(zip(got, expected)):
+        assert ours == ref, f"prompt {i}: {BATCH_PROMPTS[i]!r}"
+    assert spec_engine.stats()["spec_accepted"] - before > 0, "no draft was accepted"
+    spec_engine.check_idle()
+
+
 @SLOW
 def test_greedy_equal_on_the_test_prompts(engine, spec_engine) -> None:
     prompts = [chat(p) for p in CHAT_PROMPTS] + REPEATING

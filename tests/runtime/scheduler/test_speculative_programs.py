@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 import radixflow as sgl
+from conftest import Server
 
-PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
+PROGRAMS = Path(__file__).resolve().parents[3] / "programs"
 sys.path.insert(0, str(PROGRAMS))
 
 pytestmark = pytest.mark.slow
@@ -41,8 +42,8 @@ def test_six_programs_equal_with_and_without_speculation() -> None:
         ("off", {}),
         ("on", {"speculative_algorithm": "ngram", "speculative_disable_by_batch_size": 0}),
     ):
-        runtime = sgl.Runtime(model_path="smollm2", max_total_tokens=8192, **extra)
-        runtime.endpoint.timeout = 600.0  # the machine's 2 cores may be shared
+        # the machine's 2 cores may be shared
+        runtime = Server(max_total_tokens=8192, endpoint_timeout=600.0, **extra)
         try:
             results[label] = _run_all(runtime)
             stats[label] = sgl.get_server_info(runtime)

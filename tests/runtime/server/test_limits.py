@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +14,8 @@ import pytest
 import zmq
 from test_server import wait_for, wait_idle
 
-from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
+from conftest import Server
+from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime.protocol import messages as m
 
 CONTEXT = 256
@@ -26,25 +26,21 @@ POOL = 600
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(
-        context_length=CONTEXT,
-        max_new_tokens_limit=MAX_NEW_TOKENS_LIMIT,
-        max_running_requests=MAX_RUNNING,
-        max_message_bytes=MAX_MESSAGE_BYTES,
-        max_total_tokens=POOL,
-        self_check=True,
-        num_threads=1,
-        log_level="warning",
-    )
-    rt.endpoint.timeout = 120.0
-    yield rt
-    rt.shutdown()
+SERVER = dict(  # conftest's module-scoped `runtime`
+    context_length=CONTEXT,
+    max_new_tokens_limit=MAX_NEW_TOKENS_LIMIT,
+    max_running_requests=MAX_RUNNING,
+    max_message_bytes=MAX_MESSAGE_BYTES,
+    max_total_tokens=POOL,
+    self_check=True,
+    num_threads=1,
+    log_level="warning",
+    endpoint_timeout=120.0,
+)
 
 
 @pytest.fixture(scope="module")
-def endpoint(runtime: Runtime) -> RuntimeEndpoint:
+def endpoint(runtime: Server) -> RuntimeEndpoint:
     return runtime.endpoint
 
 
@@ -175,7 +171,7 @@ def health_frame(size: int) -> bytes:
     raise AssertionError(f"no health frame of {size} bytes")
 
 
-def test_frame_past_the_size_limit_is_refused_unread(runtime: Runtime) -> None:
+def test_frame_past_the_size_limit_is_refused_unread(runtime: Server) -> None:
     """A frame of max_message_bytes is served; one byte more gets `too_large` (refused before
     unpacking), and the server keeps serving."""
     at_limit = raw_exchange(runtime.address, health_frame(MAX_MESSAGE_BYTES))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from radixflow.backend import Runtime
+from conftest import Server
 
 API_KEY = "openai-secret"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -28,15 +27,12 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(max_total_tokens=8192, api_key=API_KEY, num_threads=1, log_level="warning")
-    yield rt
-    rt.shutdown()
+# conftest's module-scoped `runtime`
+SERVER = dict(max_total_tokens=8192, api_key=API_KEY, num_threads=1, log_level="warning")
 
 
 @pytest.fixture(scope="module")
-def client(runtime: Runtime) -> openai.OpenAI:
+def client(runtime: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=runtime.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -46,11 +42,11 @@ def model(client: openai.OpenAI) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(runtime: Runtime) -> Any:
+def tokenizer(runtime: Server) -> Any:
     return runtime.get_tokenizer()
 
 
-def server_stats(runtime: Runtime) -> dict[str, Any]:
+def server_stats(runtime: Server) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     return httpx.get(runtime.url + "/server_info", headers=headers).json()["internal_states"][0]
 
@@ -100,7 +96,7 @@ def test_completions_greedy_equals_offline_engine(
     assert batch.choices[0].text == offline["text"][: len(batch.choices[0].text)]
 
 
-def test_async_client_runs_requests_concurrently(runtime: Runtime, model: str) -> None:
+def test_async_client_runs_requests_concurrently(runtime: Server, model: str) -> None:
     async def main() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=runtime.url + "/v1", api_key=API_KEY)
         chats = [
@@ -153,7 +149,7 @@ def test_streaming_completion(client: openai.OpenAI, model: str) -> None:
     assert text == plain.choices[0].text
 
 
-def test_n_choices_share_the_prompt_kv(runtime: Runtime, client: openai.OpenAI, model: str) -> None:
+def test_n_choices_share_the_prompt_kv(runtime: Server, client: openai.OpenAI, model: str) -> None:
     messages = [
         {
             "role": "user",
@@ -267,7 +263,7 @@ def test_penalties_and_seed_are_accepted(client: openai.OpenAI, model: str) -> N
 
 
 def test_errors_are_the_clients_exception_types(
-    runtime: Runtime, client: openai.OpenAI, model: str
+    runtime: Server, client: openai.OpenAI, model: str
 ) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=MESSAGES)

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,11 +29,11 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
-from test_frontend import finishes
 from test_server import wait_for, wait_idle
 
 import radixflow as sgl
-from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
+from conftest import Server, finishes
+from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.sampling import SamplingParams
 
@@ -46,22 +45,18 @@ FUZZ_CASES = int(os.environ.get("FUZZ_CASES", "2200"))
 RESTART_S = 180  # a scheduler restart reloads the model; the 2 cores may be shared
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(
-        max_total_tokens=4096,
-        self_check=True,
-        max_message_bytes=MAX_MESSAGE_BYTES,
-        num_threads=1,  # one torch thread: two oversubscribe a shared 2-core machine
-        log_level="warning",
-    )
-    rt.endpoint.timeout = 120.0
-    yield rt
-    rt.shutdown()
+SERVER = dict(  # conftest's module-scoped `runtime`
+    max_total_tokens=4096,
+    self_check=True,
+    max_message_bytes=MAX_MESSAGE_BYTES,
+    num_threads=1,  # one torch thread: two oversubscribe a shared 2-core machine
+    log_level="warning",
+    endpoint_timeout=120.0,
+)
 
 
 @pytest.fixture
-def endpoint(runtime: Runtime) -> RuntimeEndpoint:
+def endpoint(runtime: Server) -> RuntimeEndpoint:
     """The module server's endpoint, once its scheduler is up (an earlier failure may have
     restarted it)."""
     wait_for(lambda: runtime.endpoint.health()["ok"], RESTART_S, "a ready scheduler")
@@ -397,7 +392,7 @@ def fuzz_settings() -> settings:
 
 
 def test_fuzzed_frames_get_errors_and_a_correct_client_keeps_working(
-    runtime: Runtime, endpoint: RuntimeEndpoint, engine: Any
+    runtime: Server, endpoint: RuntimeEndpoint, engine: Any
 ) -> None:
     references = {
         p: r["output_ids"] for p, r in zip(GOOD_PROMPTS, engine.generate(GOOD_PROMPTS, GREEDY))
@@ -469,7 +464,7 @@ def test_sampling_edge_values_do_not_kill_the_scheduler(
 
 
 def test_mixed_str_and_bytes_keys_get_an_error_not_a_dead_server(
-    runtime: Runtime, endpoint: RuntimeEndpoint
+    runtime: Server, endpoint: RuntimeEndpoint
 ) -> None:
     """strict_map_key lets bytes keys through; sorting unknown str and bytes field names
     raised TypeError out of decode and killed the server loop."""
@@ -640,7 +635,7 @@ def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits()
     and wait for a slow grammar: every call raises `disconnected` within 5 s (their timeout is
     60 s), the program's error() and text_iter() report it, a later call fails within its
     timeout, and the orphaned scheduler exits instead of lingering."""
-    rt = Runtime(max_total_tokens=4096, num_threads=1, log_level="error")
+    rt = Server(max_total_tokens=4096, num_threads=1, log_level="error")
     scheduler_pid = rt.endpoint.health()["scheduler_pid"]
     try:
         endpoint = RuntimeEndpoint(rt.address, timeout=60)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import httpx
 
-import radixflow as sgl
+from conftest import Server
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
 
 
 def test_chat_completions_render_with_the_served_template() -> None:
-    runtime = sgl.Runtime(model_path="smollm2", chat_template=TEMPLATE, max_total_tokens=2048)
+    runtime = Server(chat_template=TEMPLATE, max_total_tokens=2048)
     try:
         assert runtime.endpoint.model_info()["chat_template"] == TEMPLATE
         body = {

@@ -25,7 +25,6 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,8 @@ import psutil
 import pytest
 from test_server import wait_idle
 
-from radixflow.backend import Runtime, RuntimeEndpoint, RuntimeEndpointError
+from conftest import Server
+from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
 
 pytestmark = pytest.mark.slow
 
@@ -257,28 +257,24 @@ def check(outcome: Outcome, refs: dict[tuple[int, str], dict[str, Any]]) -> str 
     return None
 
 
-def server_rss(runtime: Runtime) -> int:
+def server_rss(runtime: Server) -> int:
     """Resident bytes of the server process and its children (the scheduler)."""
     server = psutil.Process(runtime.process.pid)
     return sum(p.memory_info().rss for p in [server, *server.children(recursive=True)])
 
 
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(
-        max_total_tokens=POOL,
-        schedule_conservativeness=0.3,
-        chunked_prefill_size=256,
-        self_check=True,
-        num_threads=1,
-        log_level="warning",
-    )
-    rt.endpoint.timeout = CALL_TIMEOUT_S
-    yield rt
-    rt.shutdown()
+SERVER = dict(  # conftest's module-scoped `runtime`
+    max_total_tokens=POOL,
+    schedule_conservativeness=0.3,
+    chunked_prefill_size=256,
+    self_check=True,
+    num_threads=1,
+    log_level="warning",
+    endpoint_timeout=CALL_TIMEOUT_S,
+)
 
 
-def test_soak_under_kv_pressure_with_aborts(runtime: Runtime, engine: Any) -> None:
+def test_soak_under_kv_pressure_with_aborts(runtime: Server, engine: Any) -> None:
     endpoint = runtime.endpoint
     warmup = make_specs(WARMUP_REQUESTS, seed=1, tag="warm")
     specs = make_specs(SOAK_REQUESTS, seed=2, tag="soak")
