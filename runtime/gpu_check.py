@@ -20,6 +20,7 @@ Triton's interpreter, the Engine on the CPU ops, graphs through the "record" bac
 path has no switch). Writes JSON (--out), prints a table, exits 1 when a check fails.
 """
 
+# ruff: noqa: E402 (the imports follow the --dry-run flag, which the Triton kernels read)
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# --dry-run interprets the Triton kernels: the flag is read when they are imported, below
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np
 import torch
@@ -108,7 +113,7 @@ def timed(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def kernel_tests() -> dict[str, Any]:
     """tests/kernels/test_kernels_gpu.py in its own process (no TRITON_INTERPRET)."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "test_kernels_gpu.py"
+    path = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_kernels_gpu.py"
     if not path.exists():
         return {"ok": False, "error": f"{path} not found (run from a source checkout)"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -438,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="", help="default: smollm2; with --dry-run a tiny random Llama"
     )
     args = parser.parse_args(argv)
-    if args.dry_run:  # before triton is imported (transformers may import it too)
-        os.environ["TRITON_INTERPRET"] = "1"
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--dry-run: run as `python -m radixflow.runtime.gpu_check --dry-run`")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         model = args.model or (str(tiny_model_dir(Path(tmp))) if args.dry_run else "smollm2")
         report = run(args.dry_run, model)

@@ -81,9 +81,10 @@ class LlgGrammar:
     def accept(self, token_id: int) -> None:
         if self._matcher.is_stopped() and token_id not in self._backend.eos_token_ids:
             raise GrammarError(f"token {token_id} after the grammar ended")
-        if not self._matcher.consume_token(token_id):
-            problem = self._matcher.get_error().split("\n", 1)[0]
-            raise GrammarError(f"token {token_id} is not allowed by the grammar here: {problem}")
+        # try_consume leaves the matcher as it was on a refusal (consume_token would put it in
+        # an error state for good): a refused speculative draft must not end the grammar
+        if self._matcher.try_consume_tokens([token_id]) != 1:
+            raise GrammarError(f"token {token_id} is not allowed by the grammar here")
 
     def is_terminated(self) -> bool:
         """True once EOS was accepted or when nothing but EOS may follow."""

@@ -11,7 +11,6 @@ The tool-call format is `--tool-call-parser`, or inferred from the chat template
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +120,7 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     if fmt is not None and choice.mode == "required":
         constraint = fmt.grammar(offered, parallel)
     elif fmt is not None and generic:  # auto: a call or an answer, always one that parses
-        constraint = {"json_schema": json.dumps(fmt.schema(offered, parallel, answer=True))}
+        constraint = fmt.constraint(offered, parallel, answer=True)
     separate = body.get("separate_reasoning", True)
     reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
     thinking = bool(kwargs.get("enable_thinking", True))

@@ -292,7 +292,14 @@ class Generic(Format):
     name, start = "generic", ""
 
     def grammar(self, tools: list[Tool], parallel: bool) -> dict[str, str]:
-        return {"json_schema": json.dumps(self.schema(tools, parallel, answer=False))}
+        return self.constraint(tools, parallel, answer=False)
+
+    def constraint(self, tools: list[Tool], parallel: bool, answer: bool) -> dict[str, str]:
+        """As a regex (schema_regex: bounded numbers take at most a few fraction digits, so a
+        model cannot write 1.000... until max_tokens); a JSON schema where the answer's free
+        text makes the regex too large to be worth it."""
+        schema = self.schema(tools, parallel, answer)
+        return {"json_schema": json.dumps(schema)} if answer else {"regex": schema_regex(schema)}
 
     def schema(self, tools: list[Tool], parallel: bool, answer: bool) -> dict[str, Any]:
         calls = {"type": "array", "items": call_schema(tools), "minItems": 1}

@@ -36,6 +36,7 @@ SERVER = dict(  # conftest's module-scoped `runtime`
     num_threads=1,
     log_level="warning",
     endpoint_timeout=120.0,
+    grammar_backend="outlines",  # its compile workers and their time limit are under test
 )
 
 

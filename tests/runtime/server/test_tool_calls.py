@@ -87,14 +87,14 @@ def test_random_schemas_required_call_grammars_admit_valid_calls_only() -> None:
     for _ in range(40):
         tools = random_tools(rng, rng.randint(1, 3))
         hermes = re.compile(get_format("hermes").grammar(tools, parallel=True)["regex"])
-        generic = json.loads(get_format("generic").grammar(tools, parallel=False)["json_schema"])
+        generic = re.compile(get_format("generic").grammar(tools, parallel=False)["regex"])
         for _ in range(5):
             tool = rng.choice(tools)
             args = random_instance(tool.parameters, rng)
             jsonschema.validate(args, tool.parameters)  # the generator's own check
             call = json.dumps({"name": tool.name, "arguments": args})
             assert hermes.fullmatch(f"<tool_call>\n{call}\n</tool_call>"), call
-            jsonschema.validate({"tool_calls": [json.loads(call)]}, generic)
+            assert generic.fullmatch(json.dumps({"tool_calls": [json.loads(call)]})), call
         bad = {"name": "not_a_tool", "arguments": {}}
         assert not hermes.fullmatch(f"<tool_call>\n{json.dumps(bad)}\n</tool_call>")
 

@@ -125,8 +125,9 @@ def test_streamed_call_arrives_as_tool_call_deltas(client: openai.OpenAI) -> Non
 
 def random_calls(client: openai.OpenAI, count: int, seed: int) -> None:
     """`count` requests, each over 1-3 random tools (nested objects, arrays, enums, bounded
-    numbers, optional fields), tool_choice required or named: every reply is a call that
-    parses and validates against its tool's parameters."""
+    numbers, optional fields), tool_choice required or named, one call each: every reply is a
+    call that parses and validates against its tool's parameters. (With parallel calls a
+    small model may repeat its call until max_tokens; each call still parses.)"""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
@@ -141,8 +142,8 @@ def random_calls(client: openai.OpenAI, count: int, seed: int) -> None:
     def ask(job: tuple[list, object]):
         tools, choice = job
         return client.chat.completions.create(
-            model="smollm2", messages=ASK, tools=tools, tool_choice=choice, max_tokens=384,
-            temperature=0.7, seed=1,
+            model="smollm2", messages=ASK, tools=tools, tool_choice=choice, max_tokens=1024,
+            temperature=0.7, seed=1, parallel_tool_calls=False,
         )  # fmt: skip
 
     with ThreadPoolExecutor(16) as pool:
