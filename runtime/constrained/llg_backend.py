@@ -4,7 +4,8 @@ llguidance (a Rust library, no dependencies of its own) parses lazily: a grammar
 about a millisecond (outlines-core builds a DFA over the whole vocabulary first: seconds, tens
 of seconds for nested JSON), and each mask is computed as the request advances, in tens of
 microseconds. It takes the same grammar keys as the outlines-core backend and more:
-  ("regex", pattern)      ("json", schema JSON text; numeric bounds honoured, any nesting)
+  ("regex", pattern)      ("json", schema JSON text; numeric bounds honoured, any nesting;
+                           objects that list their properties are closed, as outlines-core's)
   ("choices", JSON list)  ("ebnf", GBNF text, SGLang's `ebnf`; Lark syntax is taken too)
 Same interface as `grammar.GrammarBackend`: submit / poll / get / shutdown, per-request
 grammars with words / fill_mask / accept / is_terminated / copy.
@@ -25,6 +26,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from radixflow.runtime.constrained.compiler import GrammarError, GrammarKey
+from radixflow.runtime.constrained.schema_regex import closed
 
 
 def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
@@ -42,7 +44,7 @@ def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
         except json.JSONDecodeError as e:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
         defaults = {"whitespace_pattern": whitespace or "[ ]?"}
-        return matcher.grammar_from_json_schema(schema, defaults=defaults)
+        return matcher.grammar_from_json_schema(closed(schema), defaults=defaults)
     if kind == "ebnf":
         try:
             return matcher.grammar_from_lark(any_to_lark(text))
@@ -147,7 +149,10 @@ class LlgBackend:
         try:
             spec = grammar_spec(key, self.whitespace)
             problem = llguidance.LLMatcher.validate_grammar(spec)
-            result: str | GrammarError = GrammarError(problem.strip()) if problem else spec
+            name = {"json": "JSON schema"}.get(key[0], key[0])
+            result: str | GrammarError = (
+                GrammarError(f"invalid {name}: {problem.strip()}") if problem else spec
+            )
         except GrammarError as e:
             result = e
         except (ValueError, TypeError, RuntimeError) as e:  # llguidance's own build errors

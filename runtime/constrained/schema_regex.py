@@ -145,3 +145,18 @@ def _same_length(lo: str, hi: str) -> str:
     if hi[1:] != nines:
         parts.append(f"{hi[0]}({_same_length(zeros, hi[1:])})")
     return "|".join(parts)
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its properties
+    and says nothing of others: what outlines-core and xgrammar (SGLang's default) do, and how
+    OpenAI's strict mode reads a tool, so a reply holds the schema's keys, not a model's
+    invented ones. Free-form objects ({"type": "object"}) stay open."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("const", "enum", "default") else v for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -28,7 +28,7 @@ from typing import Any
 
 from outlines_core.json_schema import build_regex_from_schema
 
-from radixflow.runtime.constrained.schema_regex import bounded_schema_regex
+from radixflow.runtime.constrained.schema_regex import bounded_schema_regex, closed
 
 FORMATS = ("hermes", "qwen25", "qwen3", "llama3", "mistral", "pythonic", "generic")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -110,20 +110,6 @@ def parse_tool_choice(value: Any, tools: list[Tool]) -> ToolChoice:
 
 def chosen(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
     return [t for t in tools if choice.name in (None, t.name)]
-
-
-def closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` wherever an object lists its properties
-    and says nothing of others (as OpenAI's strict mode reads a tool): a call then holds the
-    tool's own arguments, not a model's invented ones. Free-form objects stay open."""
-    if isinstance(schema, list):
-        return [closed(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) if k not in ("const", "enum", "default") else v for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def call_schema(tools: list[Tool], arguments: str = "arguments") -> dict[str, Any]:

@@ -475,7 +475,8 @@ BAD_KEYS = [
     (("json", '{"type": "foo"}'), "Unsupported type: foo"),
     (("choices", "[]"), "non-empty list of strings"),
     (("choices", "[1, 2]"), "non-empty list of strings"),
-    (("ebnf", "root ::= x"), "unknown grammar kind 'ebnf'"),
+    (("ebnf", "root ::= x"), "ebnf grammars need --grammar-backend llguidance"),
+    (("yaml", "a: 1"), "unknown grammar kind 'yaml'"),
 ]
 
 

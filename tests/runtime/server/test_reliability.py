@@ -635,7 +635,8 @@ def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits()
     and wait for a slow grammar: every call raises `disconnected` within 5 s (their timeout is
     60 s), the program's error() and text_iter() report it, a later call fails within its
     timeout, and the orphaned scheduler exits instead of lingering."""
-    rt = Server(max_total_tokens=4096, num_threads=1, log_level="error")
+    # outlines: its compile of a{0,100000} is the slow grammar (llguidance's takes a millisecond)
+    rt = Server(max_total_tokens=4096, num_threads=1, log_level="error", grammar_backend="outlines")
     scheduler_pid = rt.endpoint.health()["scheduler_pid"]
     try:
         endpoint = RuntimeEndpoint(rt.address, timeout=60)
