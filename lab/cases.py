@@ -22,7 +22,6 @@ from typing import Any
 from radixflow.bench.workloads import WORDS, WORKLOADS, Call, Codec, Workload, server_codec
 from radixflow.lab.profiles import load_profile
 from radixflow.lab.simulate import VirtualClock, drive, sim_scheduler, word_codec
-from radixflow.runtime import Engine
 from radixflow.runtime.config import ServerConfig, config_from_args
 
 
@@ -93,6 +92,8 @@ def run_case(
         return scheduler.stats(), row["best_hit_rate"]
     owned = engine is None
     if owned:
+        from radixflow.runtime.engine import Engine  # noqa: PLC0415 (torch: only a run on the real model loads it)
+
         engine = Engine(**dataclasses.asdict(config))
     try:
         workload = lab_workload(name, server_codec(engine.tokenizer), quick)

@@ -19,12 +19,10 @@ import json
 import sys
 from typing import Any
 
-from radixflow.bench import cli as bench_cli
 from radixflow.lab.diagnose import diagnose_main, diagnose_parser
 from radixflow.lab.profiles import RooflineProfile, load_profile, save_profile
 from radixflow.lab.simulate import MODES, calibrate, simulate_modes
 from radixflow.lab.tree import tree_main, tree_parser
-from radixflow.runtime import cli as runtime_cli
 from radixflow.runtime.config import ServerConfig, add_config_arguments, config_from_args
 
 LAB_COMMANDS = ("simulate", "diagnose", "tree")
@@ -164,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if argv and argv[0] == "bench":
+        from radixflow.bench import cli as bench_cli  # noqa: PLC0415 (torch: the bench loads it)
+
         return bench_cli.main(argv[1:])
     if not argv or argv[0] not in LAB_COMMANDS:
+        # (torch, transformers: the server's tokenizer; the lab plans on a laptop without them)
+        from radixflow.runtime import cli as runtime_cli  # noqa: PLC0415 (torch: see above)
+
         return runtime_cli.main(argv)
     return lab_main(argv)
 

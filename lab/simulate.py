@@ -27,7 +27,6 @@ import numpy as np
 
 from radixflow.bench.workloads import WORDS, WORKLOADS, Codec, best_hit_rate, prompts_of
 from radixflow.lab.profiles import LinearProfile, Profile, StepShape
-from radixflow.runtime import Engine
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
@@ -301,6 +300,7 @@ def calibrate(model: str = "smollm2", **config: Any) -> Any:
     """Measure this machine: prefill (chunked and whole, up to 3,000 tokens), decode (batch
     1..16, short and long KV) and mixed steps on the real model, then fit a LinearProfile.
     Loads the model (torch)."""
+    from radixflow.runtime.engine import Engine  # noqa: PLC0415 (torch: only a run on the real model loads it)
 
     rng = np.random.default_rng(0)
     with Engine(model=model, **config) as engine:
@@ -311,7 +311,7 @@ def calibrate(model: str = "smollm2", **config: Any) -> Any:
         whole.scheduler.runner = TimedRunner(whole.scheduler.runner, time.perf_counter)
         whole.scheduler.runner.samples = timed.samples
 
-        def run(lengths: list[int], new: int, late: list[int] = (), on: Engine = engine) -> None:
+        def run(lengths: list[int], new: int, late: list[int] = (), on: Any = engine) -> None:
             ids = [rng.integers(100, 20000, n).tolist() for n in lengths]
             params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
             on.submit(input_ids=ids, sampling_params=params)

@@ -1,5 +1,7 @@
 """`radixflow serve` (also `python -m radixflow.runtime`): start a runtime server. (The
-`radixflow` command, `radixflow.lab.cli`, hands `serve` and the internal entries here.)
+`radixflow` command, `radixflow.lab.cli`, hands `serve` and the internal entries here.) The
+server process imports no torch: the scheduler process and tensor-parallel ranks import it
+when they start (function-level imports, each marked `(torch)`).
 
     radixflow serve --model smollm2 --port 0
 
@@ -22,9 +24,7 @@ from pathlib import Path
 
 from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
 from radixflow.runtime.distributed.data_parallel import serve_data_parallel
-from radixflow.runtime.distributed.tp_worker import run_worker, serve_node
 from radixflow.runtime.protocol.transport import IpcAddresses
-from radixflow.runtime.scheduler.loop import run_scheduler
 from radixflow.runtime.server import server
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -68,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     if args.command == "scheduler":
+        from radixflow.runtime.scheduler.loop import run_scheduler  # noqa: PLC0415 (torch)
+
         config = config_from_kwargs(**json.loads(args.config_json))
         run_scheduler(config, IpcAddresses(args.ipc_dir), args.parent_pid)
         return 0
     if args.command == "tp-worker":
+        from radixflow.runtime.distributed.tp_worker import run_worker  # noqa: PLC0415 (torch)
+
         config = config_from_kwargs(**json.loads(args.config_json))
         return run_worker(config, args.rank, args.init_addr, Path(args.model_dir), args.parent_pid)
     try:
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixflow: {e}", file=sys.stderr)
         return 2
     if config.node_rank > 0:  # another machine's tensor-parallel ranks; no server here
+        from radixflow.runtime.distributed.tp_worker import serve_node  # noqa: PLC0415 (torch)
+
         return serve_node(config)
     if config.dp_size > 1:
         return serve_data_parallel(config, args.log_level)

@@ -7,4 +7,4 @@ bash scripts/setup.sh
 PY="${RADIXFLOW_VENV:-.venv}/bin/python"
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q --durations=15 "$@"

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
 
 # Tests use the machine's two cores; torch's default is fine, but keep tokenizers quiet.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -102,6 +105,12 @@ def finishes(fn: Any, timeout: float = 10.0) -> Any:
 
 # ---- Triton on CPU ---------------------------------------------------------------------------
 
+# A kernel reads TRITON_INTERPRET when its module is imported, and any test module may be the
+# first to import one (through radixflow.runtime.gpu_check, the bench, a model on the Triton
+# ops): without CUDA the interpreter is on from the session's start.
+if not _CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def use_the_triton_interpreter() -> None:
     """Call at the top of a module that runs the Triton kernels on CPU tensors, before
@@ -112,9 +121,7 @@ def use_the_triton_interpreter() -> None:
     process-wide, so setting it here would make tests/kernels/test_kernels_gpu.py in the same
     run interpreted (or skipped). There, run these in a CPU-only process:
     `CUDA_VISIBLE_DEVICES= pytest tests/kernels/test_kernels.py`."""
-    import torch
-
-    if torch.cuda.is_available():
+    if _CUDA:
         pytest.skip(
             "Triton interpreter tests: CUDA is visible, so the kernels are compiled for it; "
             "run with CUDA_VISIBLE_DEVICES= to interpret them",

@@ -160,3 +160,21 @@ def closed(schema: Any) -> Any:
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def int64_bounds(schema: Any) -> Any:
+    """The schema with every integer that has no bounds given int64's: a JSON consumer
+    rarely takes more, and a small model no longer writes digits until max_tokens."""
+    if isinstance(schema, list):
+        return [int64_bounds(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: int64_bounds(v) if k not in ("const", "enum", "default") else v
+           for k, v in schema.items()}  # fmt: skip
+    if out.get("type") == "integer":
+        out.setdefault("minimum", INT64[0])
+        out.setdefault("maximum", INT64[1])
+    return out

@@ -97,9 +97,9 @@ def parse_tool_choice(value: Any, tools: list[Tool]) -> ToolChoice:
     if value is None:
         return ToolChoice("auto" if tools else "none")
     if value in ("none", "auto", "required"):
-        if value != "none" and not tools:
-            raise ToolError(f"tool_choice {value!r} needs tools")
-        return ToolChoice(value)
+        if value == "required" and not tools:
+            raise ToolError("tool_choice 'required' needs tools")
+        return ToolChoice(value if tools else "none")  # auto with no tools: what clients send
     name = value.get("function", {}).get("name") if isinstance(value, dict) else None
     if not isinstance(name, str):
         raise ToolError('tool_choice must be none, auto, required or {"type": "function", ...}')
@@ -299,8 +299,9 @@ class Generic(Format):
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         try:
             obj = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
+        except json.JSONDecodeError:  # cut by max_tokens: the calls completed before the cut
+            calls = complete_calls(text)
+            return ("", calls) if calls else (text, [])
         if isinstance(obj, dict) and isinstance(obj.get("content"), str):
             return obj["content"], []
         items = obj.get("tool_calls") if isinstance(obj, dict) else None
@@ -312,6 +313,25 @@ class Generic(Format):
 
     def holdback(self, text: str) -> int:
         return 0  # one JSON object: known to be an answer or a call only at the end
+
+
+def complete_calls(text: str) -> list[ToolCall]:
+    """The whole calls at the start of a generic reply cut short (`{"tool_calls": [{...},
+    {...}, {..` gives the first two): a model that repeats its call until max_tokens still
+    hands back the calls it finished."""
+    head = re.match(r'\{\s*"tool_calls"\s*:\s*\[', text)
+    decoder, at, calls = json.JSONDecoder(), head.end() if head else len(text), []
+    while head:
+        at = len(text) - len(text[at:].lstrip(" \n,"))
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        call = _call(item.get("name"), item.get("arguments")) if isinstance(item, dict) else None
+        if call is None:
+            break
+        calls.append(call)
+    return calls
 
 
 def get_format(name: str) -> Format:

@@ -161,7 +161,7 @@ def test_resolve_sampling_defaults_dtype_and_template_stop() -> None:
     assert params["regex"] == sgl.REGEX_INT and params["stop"] == [" ", "\n", "<|im_end|>"]
     assert options == {"return_logprob": True}
     assert resolve_sampling({}, {"dtype": "bool"}, ())[0]["regex"] == sgl.REGEX_BOOL
-    for bad in ({"n": 2}, {"stop_regex": ("x",)}, {"dtype": list}):
+    for bad in ({"n": 2}, {"dtype": list}):
         with pytest.raises(ValueError):
             resolve_sampling({}, bad, ())
 

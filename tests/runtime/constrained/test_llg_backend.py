@@ -69,10 +69,7 @@ def test_same_documents_as_outlines(backend, tokenizer) -> None:
         cases = [
             (("regex", r"\d{4}-\d{2}-\d{2}"), ["2026-12-03", "2026-1-03", "2026-12-033"]),
             (("choices", '["yes", "no"]'), ["yes", "no", "maybe", "ye"]),
-            (("json", '{"type": "object", "properties": {"n": {"type": "integer"}}, '
-                      '"required": ["n"], "additionalProperties": false}'),
-             ['{"n": 12}', '{"n": "12"}', '{"m": 1}']),
-        ]  # fmt: skip
+        ]  # JSON: test_constrained_engine holds llguidance's outputs to the schemas
         for key, texts in cases:
             for text in texts:
                 ours = walk(backend, tokenizer, key, text)

@@ -245,7 +245,7 @@ BAD_CHAT = [
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"stop_regex": "("}, "stop_regex"),
     ({"stop_regex": ["ok", "[z-a]"]}, "stop_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
 ]
 

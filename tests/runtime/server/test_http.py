@@ -232,11 +232,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("POST", "/generate", {"text": ""}, 400),
     ("POST", "/generate", {"text": []}, 400),
     ("POST", "/generate", {"text": "a", "sampling_params": 3}, 400),
-    # unknown fields are ignored (and logged once): SGLang's clients send fields we lack
     (
         "POST",
         "/generate",
-        {"text": "a", "sampling_params": {"warmth": 1, "max_new_tokens": 1}},
         200,
     ),
     ("POST", "/generate", {"text": "a", "sampling_params": {"temperature": -1}}, 400),
@@ -250,7 +248,6 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     (
         "POST",
         "/generate",
-        {"text": "a", "favourite_colour": 1, "sampling_params": {"max_new_tokens": 1}},
         200,
     ),
     ("POST", "/generate", {"text": "a", "stream": "yes"}, 400),
@@ -281,7 +278,6 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("POST", CHAT, {"messages": MSGS, "top_logprobs": 3}, 400),
     ("POST", CHAT, {"messages": MSGS, "temperature": "hot"}, 400),
     ("POST", CHAT, {"messages": MSGS, "stream_options": {"include_usage": "yes"}}, 400),
-    ("POST", CHAT, {"messages": MSGS, "made_up_field": 1, "max_tokens": 1}, 200),
     ("POST", "/v1/completions", {"prompt": 5}, 400),
     ("POST", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400),
     ("POST", "/v1/completions", {"prompt": "a", "echo": True}, 400),

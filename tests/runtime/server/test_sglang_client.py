@@ -13,17 +13,20 @@ programs = pytest.importorskip("sglang.test.test_programs")
 
 SERVER = dict(max_total_tokens=16384)
 DEFAULT = [
-    ("mt_bench", ()),
     ("select", (False,)),
     ("decode_json", ()),
-    ("expert_answer", (False,)),
     ("tool_use", ()),
-    ("parallel_encoding", (False,)),
     ("stream", ()),
     ("regex", ()),
     ("dtype_gen", ()),
 ]
-LONGER = [("decode_json_regex", ()), ("parallel_decoding", ())]
+LONGER = [
+    ("mt_bench", ()),
+    ("expert_answer", (False,)),
+    ("parallel_encoding", (False,)),
+    ("decode_json_regex", ()),
+    ("parallel_decoding", ()),
+]
 
 
 @pytest.fixture(scope="module")

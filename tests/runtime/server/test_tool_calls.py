@@ -134,6 +134,8 @@ def test_each_format_parses_its_calls() -> None:
     _, calls = get_format("pythonic").parse('[get_weather(city="Paris", days=2), noop()]')
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 2}, {}]
     assert get_format("generic").parse('{"content": "hello"}') == ("hello", [])
+    cut = '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "f", "arguments": {"a'
+    assert [c.name for c in get_format("generic").parse(cut)[1]] == ["f"]  # max_tokens cut
     _, calls = get_format("generic").parse('{"tool_calls": [{"name": "f", "arguments": {}}]}')
     assert calls[0].name == "f"
     for name in ("hermes", "llama3", "mistral", "pythonic", "generic"):  # plain text stays
@@ -161,6 +163,7 @@ def test_tools_and_tool_choice_are_checked() -> None:
         parse_tool_choice({"type": "function", "function": {"name": "g"}}, tools)
     with pytest.raises(ToolError):
         parse_tool_choice("required", [])
+    assert parse_tool_choice("auto", []) == ToolChoice("none")  # a client's default
 
 
 def test_format_inferred_from_the_template() -> None:
