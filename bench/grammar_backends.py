@@ -53,12 +53,12 @@ ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ 
 def cases() -> list[tuple[str, tuple[str, str], str]]:
     """(name, grammar key, a valid document)."""
     call = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "unit": "celsius"}}
-    generic = get_format("generic").grammar(TOOLS, parallel=False)["json_schema"]
+    generic = get_format("generic").grammar(TOOLS, parallel=False)["regex"]
     hermes = get_format("hermes").grammar(TOOLS, parallel=False)["regex"]
     return [
         ("json_decode schema", ("json", PERSON_SCHEMA), json.dumps(PERSON)),
         ("json_object (any)", ("json", '{"type": "object"}'), json.dumps(NESTED)),
-        ("tool call, generic", ("json", generic), json.dumps({"tool_calls": [call]})),
+        ("tool call, generic", ("regex", generic), json.dumps({"tool_calls": [call]})),
         ("tool call, hermes", ("regex", hermes), f"<tool_call>\n{json.dumps(call)}\n</tool_call>"),
         ("regex (date)", ("regex", r"\d{4}-\d{2}-\d{2}"), "2026-12-03"),
         ("ebnf (arithmetic)", ("ebnf", ARITHMETIC), "12+(3-4)+5"),

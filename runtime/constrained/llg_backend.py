@@ -6,7 +6,7 @@ of seconds for nested JSON), and each mask is computed as the request advances, 
 microseconds. It takes the same grammar keys as the outlines-core backend and more:
   ("regex", pattern)      ("json", schema JSON text; numeric bounds honoured, any nesting;
                            objects that list their properties are closed, as outlines-core's;
-                           integers without bounds get int64's)
+                           integers without bounds get JSON's safe range)
   ("choices", JSON list)  ("ebnf", GBNF text, SGLang's `ebnf`; Lark syntax is taken too)
 Same interface as `grammar.GrammarBackend`: submit / poll / get / shutdown, per-request
 grammars with words / fill_mask / accept / is_terminated / copy.
@@ -27,7 +27,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from radixflow.runtime.constrained.compiler import GrammarError, GrammarKey
-from radixflow.runtime.constrained.schema_regex import closed, int64_bounds
+from radixflow.runtime.constrained.schema_regex import closed, safe_integers
 
 
 def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
@@ -45,7 +45,7 @@ def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
         except json.JSONDecodeError as e:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
         defaults = {"whitespace_pattern": whitespace or "[ ]?"}
-        return matcher.grammar_from_json_schema(int64_bounds(closed(schema)), defaults=defaults)
+        return matcher.grammar_from_json_schema(safe_integers(closed(schema)), defaults=defaults)
     if kind == "ebnf":
         try:
             return matcher.grammar_from_lark(any_to_lark(text))

@@ -162,19 +162,20 @@ def closed(schema: Any) -> Any:
     return out
 
 
-INT64 = (-(2**63), 2**63 - 1)
+SAFE_INTEGER = 2**53 - 1  # JSON's interoperable integers (RFC 8259); llguidance takes this range
 
 
-def int64_bounds(schema: Any) -> Any:
-    """The schema with every integer that has no bounds given int64's: a JSON consumer
-    rarely takes more, and a small model no longer writes digits until max_tokens."""
+def safe_integers(schema: Any) -> Any:
+    """The schema with every integer that has no bounds given JSON's safe-integer range
+    (+-(2**53 - 1), what every JSON parser reads exactly): a small model no longer writes
+    digits until max_tokens."""
     if isinstance(schema, list):
-        return [int64_bounds(x) for x in schema]
+        return [safe_integers(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: int64_bounds(v) if k not in ("const", "enum", "default") else v
+    out = {k: safe_integers(v) if k not in ("const", "enum", "default") else v
            for k, v in schema.items()}  # fmt: skip
     if out.get("type") == "integer":
-        out.setdefault("minimum", INT64[0])
-        out.setdefault("maximum", INT64[1])
+        out.setdefault("minimum", -SAFE_INTEGER)
+        out.setdefault("maximum", SAFE_INTEGER)
     return out
