@@ -46,6 +46,7 @@ def test_the_wheel_ships_the_kernel_sources(wheel: Path) -> None:
         assert package in packages
 
 
+@pytest.mark.slow  # a minute on 2 cores; tests/kernels/cpu/test_decode_loop builds in-tree
 @pytest.mark.skipif(
     shutil.which("cc") is None or shutil.which("c++") is None, reason="needs C and C++ compilers"
 )
