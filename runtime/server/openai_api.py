@@ -12,7 +12,6 @@ through the constrained decoder.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from typing import Any
@@ -27,6 +26,7 @@ from radixflow.runtime.server.http_request import (
     clean_sampling,
     error_body,
     is_int_list,
+    response_format,
     typed,
 )
 
@@ -100,13 +100,6 @@ NOOP = {
 }
 ANY = ("user", "metadata", "return_cached_tokens_details", "store")
 MAX_TOP_LOGPROBS = 20  # OpenAI's own limit
-# json_object under outlines-core: an object of scalar values. Any nesting ({"type": "object"})
-# makes it build an index some 20x larger, which took 50 s on a loaded 2-core machine.
-ANY_OBJECT = {"type": "object"}
-JSON_OBJECT = {
-    "type": "object",
-    "additionalProperties": {"type": ["string", "number", "boolean", "null"]},
-}
 
 
 class OpenAiRoutes:
@@ -477,33 +470,6 @@ class OpenAiRoutes:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-
-
-def response_format(value: Any, nested: bool = True) -> dict[str, Any]:
-    """OpenAI's response_format as a constraint: json_object any JSON object (`nested`: the
-    llguidance backend; outlines-core gets an object of scalar values, JSON_OBJECT), json_schema
-    the given schema, numeric bounds included (both through the constrained decoder)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or value.get("type") not in (
-        "text",
-        "json_object",
-        "json_schema",
-    ):
-        raise HttpError(
-            400, "response_format.type must be text, json_object or json_schema", "response_format"
-        )
-    if value["type"] == "text":
-        return {}
-    if value["type"] == "json_object":
-        return {"json_schema": json.dumps(ANY_OBJECT if nested else JSON_OBJECT)}
-    spec = value.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise HttpError(
-            400, "response_format.json_schema.schema must be an object", "response_format"
-        )
-    return {"json_schema": json.dumps(schema)}
 
 
 def finish(meta: dict[str, Any], tool_calls: bool = False) -> dict[str, Any]:
