@@ -105,6 +105,11 @@ class ServerConfig:
         "or F.linear ('linear'); 'auto' times all three on the model's shapes at load and "
         "keeps the fastest (the packed copies cost one more copy of the weights)",
     )
+    dequantize_weights: bool = _knob(
+        False,
+        "load a quantized model's weights dequantized to --dtype (the reference path: many "
+        "times the memory, slower at batch 1) instead of multiplying from its blocks",
+    )
     disable_cpu_weight_prepack: bool = _knob(
         False, "CPU fp32: multiply with F.linear, packing nothing (same as --cpu-matmul linear)"
     )

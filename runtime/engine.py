@@ -27,6 +27,7 @@ from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
+from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
 from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
@@ -138,7 +139,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,
         "device": str(device),
-        "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attention_backend": model.ops.name,
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
     }
@@ -148,17 +149,20 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
 def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
-
+    """The configured backend, taking structural tags (triggered constraints) too."""
+    whitespace = config.grammar_whitespace or None
     if config.grammar_backend == "llguidance":
-        return LlgBackend(tokenizer, vocab_size, eos, config.grammar_whitespace or None)
-    return GrammarBackend(
-        tokenizer,
-        vocab_size,
-        eos,
-        config.grammar_whitespace or None,
-        max_workers=config.grammar_workers,
-        timeout_s=config.grammar_timeout_s,
-    )
+        backend: Any = LlgBackend(tokenizer, vocab_size, eos, whitespace)
+    else:
+        backend = GrammarBackend(
+            tokenizer,
+            vocab_size,
+            eos,
+            whitespace,
+            max_workers=config.grammar_workers,
+            timeout_s=config.grammar_timeout_s,
+        )
+    return TriggeredBackend(backend, tokenizer, vocab_size, eos, whitespace)
 
 
 def _is_id_list(value: Any) -> bool:

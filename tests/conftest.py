@@ -74,13 +74,15 @@ def make_engine(engine):
 
 @pytest.fixture(scope="session")
 def hf_model(engine):
-    """transformers' LlamaForCausalLM on the very same converted weights."""
+    """transformers' LlamaForCausalLM on the same GGUF's weights, dequantised to fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        engine.model_info["model_path"], dtype=torch.float32
-    )
+    from radixflow.runtime.models.loader import weight_files
+
+    model_dir = engine.model_info["model_path"]
+    weight_files(Path(model_dir))  # a GGUF's directory gets its fp32 safetensors here, once
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
 
 
@@ -166,21 +168,23 @@ def serve_flags(config: dict[str, Any]) -> list[str]:
 
 
 class Server:
-    """A `radixflow serve --port 0` child of pytest, with radixflow.Runtime's attributes
-    (`process`, `url` for HTTP, `address` for ZeroMQ or None behind --dp-size, `endpoint`,
-    `generate()`, `get_tokenizer()`, `shutdown()`), so programs take it as their backend."""
+    """A `radixflow serve --port 0` child of pytest (`port`, with `zmq_port=0`: a restart on
+    the port a killed server had), with radixflow.Runtime's attributes (`process`, `url` for
+    HTTP, `address` for ZeroMQ or None behind --dp-size, `endpoint`, `generate()`,
+    `get_tokenizer()`, `shutdown()`), so programs take it as their backend."""
 
     def __init__(
         self, model_path: str = "smollm2", log_level: str = "error",
-        launch_timeout: float = 300.0, endpoint_timeout: float = 60.0, **config: Any,
+        launch_timeout: float = 300.0, endpoint_timeout: float = 60.0, port: int = 0,
+        **config: Any,
     ) -> None:  # fmt: skip
         from radixflow import RuntimeEndpoint
         from radixflow.runtime.config import config_from_kwargs
 
-        checked = config_from_kwargs(model=model_path, port=0, **config)  # unknown names fail
+        checked = config_from_kwargs(model=model_path, port=port, **config)  # unknown names fail
         self.stop_wait_s = checked.shutdown_timeout + 30.0  # the server drains, then exits
         cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--model", model_path]
-        cmd += ["--port", "0", "--log-level", log_level, *serve_flags(config)]
+        cmd += ["--port", str(port), "--log-level", log_level, *serve_flags(config)]
         self.endpoint: Any = None
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=die_with_parent()

@@ -31,6 +31,9 @@ typedef int64_t (*RopeDecodeAttention)(float *, int64_t, const float *, const fl
                                        const int64_t *, const int64_t *, const int64_t *, int,
                                        int, int, int, float, float, float *, float *, int);
 
+typedef int (*QLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
+                       int64_t, int, const float *, const float *, float *, int64_t, int);
+
 /* x @ W^T from W's oneDNN pack, as runtime/models/prepack.py's `linear` does. */
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed) {
     static auto op =
@@ -42,6 +45,29 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed) {
                               std::optional<c10::string_view>)>();
     return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
                    c10::string_view(""));
+}
+
+/* x @ W^T from W's quantized row ranges (runtime/models/quantized.py's QuantLinear): `parts`
+ * holds each range's blocks and its per-row scale (empty for none), `meta` each range's
+ * (qtype, rows, row_bytes). Each range writes its own columns of the output, as the Python
+ * module does; -> an undefined tensor where the kernel refuses a range. */
+at::Tensor quant_linear(const at::Tensor &x, const std::vector<at::Tensor> &parts,
+                        const std::vector<int64_t> &meta, QLinear qlinear, int threads) {
+    int64_t out_features = 0;
+    for (size_t j = 0; j + 2 < meta.size(); j += 3) out_features += meta[j + 1];
+    const int64_t rows = x.size(0), k = x.size(1);
+    at::Tensor out = at::empty({rows, out_features}, x.options());
+    int64_t offset = 0;
+    for (size_t j = 0; j + 2 < meta.size(); j += 3) {
+        const at::Tensor &data = parts[2 * (j / 3)], &scale = parts[2 * (j / 3) + 1];
+        const float *s = scale.numel() ? scale.data_ptr<float>() : nullptr;
+        if (qlinear(x.data_ptr<float>(), rows, x.stride(0), k, data.data_ptr<uint8_t>(),
+                    meta[j + 1], meta[j + 2], (int)meta[j], s, nullptr,
+                    out.data_ptr<float>() + offset, out_features, threads) != 0)
+            return at::Tensor();
+        offset += meta[j + 1];
+    }
+    return out;
 }
 
 float *f32(const at::Tensor &t) { return t.data_ptr<float>(); }
@@ -59,9 +85,8 @@ const int64_t *i64(const at::Tensor &t) { return t.data_ptr<int64_t>(); }
  * inputs it does not take (pools or hidden not contiguous fp32). */
 std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
-    const std::vector<at::Tensor> &post_norms, const std::vector<at::Tensor> &qkv_packs,
-    const std::vector<at::Tensor> &o_packs, const std::vector<at::Tensor> &gate_up_packs,
-    const std::vector<at::Tensor> &down_packs, const std::vector<at::Tensor> &k_pools,
+    const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
+    const std::vector<std::vector<int64_t>> &metas, const std::vector<at::Tensor> &k_pools,
     const std::vector<at::Tensor> &v_pools, const at::Tensor &cos, const at::Tensor &sin,
     const at::Tensor &slots, const at::Tensor &run_indptr, const at::Tensor &first,
     const at::Tensor &count, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -72,15 +97,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
         if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
             k_pools[i].scalar_type() != at::kFloat || v_pools[i].scalar_type() != at::kFloat)
             return {hidden, at::Tensor(), -3};
-    if (!plain || k_pools.size() != qkv_packs.size()) return {hidden, at::Tensor(), -3};
+    if (!plain || 4 * k_pools.size() != projs.size() || projs.size() != metas.size())
+        return {hidden, at::Tensor(), -3};
     auto rms_norm = reinterpret_cast<RmsNorm>(fns.at(0));
     auto silu_mul = reinterpret_cast<SiluMul>(fns.at(1));
     auto attention = reinterpret_cast<RopeDecodeAttention>(fns.at(2));
+    auto qlinear = fns.size() > 3 ? reinterpret_cast<QLinear>(fns[3]) : nullptr;
     const int64_t rows = hidden.size(0), dim = hidden.size(1), q_size = num_heads * head_dim;
     const auto options = hidden.options();
     const int n = static_cast<int>(threads);
     at::Tensor residual;
-    for (size_t i = 0; i < qkv_packs.size(); i++) {
+    /* projection p of layer i: its oneDNN pack, or its quantized ranges (metas non-empty) */
+    auto project = [&](const at::Tensor &x, size_t i, int p) {
+        const size_t j = 4 * i + p;
+        if (metas[j].empty()) return packed_linear(x, projs[j][0]);
+        return qlinear ? quant_linear(x, projs[j], metas[j], qlinear, n) : at::Tensor();
+    };
+    for (size_t i = 0; i < k_pools.size(); i++) {
         at::Tensor x = at::empty({rows, dim}, options);
         if (residual.defined()) {  /* the previous layer's residual add, in the norm's pass */
             at::Tensor sum = at::empty({rows, dim}, options);
@@ -91,7 +124,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
             rms_norm(f32(hidden), dim, nullptr, 0, f32(input_norms[i]), (float)eps, rows, dim,
                      nullptr, f32(x), n);
         }
-        at::Tensor qkv = packed_linear(x, qkv_packs[i]);
+        at::Tensor qkv = project(x, i, 0);
+        if (!qkv.defined()) return {hidden, residual, -4};
         at::Tensor attn = at::empty({rows, q_size}, options);
         at::Tensor lse = at::empty({rows, num_heads}, options);
         int64_t status = attention(
@@ -100,17 +134,20 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
             (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n);
         if (status != 0) return {hidden, residual, status};
-        at::Tensor projected = packed_linear(attn, o_packs[i]);
+        at::Tensor projected = project(attn, i, 1);
+        if (!projected.defined()) return {hidden, residual, -4};
         at::Tensor sum = at::empty({rows, dim}, options);
         x = at::empty({rows, dim}, options);
         rms_norm(f32(projected), dim, f32(hidden), dim, f32(post_norms[i]), (float)eps, rows, dim,
                  f32(sum), f32(x), n);
-        at::Tensor gate_up = packed_linear(x, gate_up_packs[i]);
+        at::Tensor gate_up = project(x, i, 2);
+        if (!gate_up.defined()) return {hidden, residual, -4};
         const int64_t inter = gate_up.size(1) / 2;
         at::Tensor act = at::empty({rows, inter}, options);
         silu_mul(f32(gate_up), gate_up.stride(0), rows, inter, f32(act), n);
         residual = sum;
-        hidden = packed_linear(act, down_packs[i]);
+        hidden = project(act, i, 3);
+        if (!hidden.defined()) return {hidden, residual, -4};
     }
     return {hidden, residual, 0};
 }

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from radixflow.kernels.cpu import native
+from radixflow.kernels.cpu import quant as native_quant
+from radixflow.kernels.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_loop.cpp")
@@ -74,8 +76,9 @@ class DecodeLoop:
     """One model's layer weights and packs, gathered once for `decode_layers`."""
 
     ext: Any
-    weights: tuple[list[torch.Tensor], ...]  # input norms, post norms, 4 packs per layer
+    weights: tuple[list[Any], ...]  # input norms, post norms, 4 projections per layer, metas
     min_rows: int  # fewer rows go through F.linear in the Python path: not taken
+    max_rows: int  # from here quantized projections dequantize into sgemm: not taken
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -97,6 +100,8 @@ class DecodeLoop:
         rows = hidden.shape[0]
         if layout is None or layout.runs is None or layout.shared or rows < self.min_rows:
             return None
+        if rows > self.max_rows:
+            return None
         if native.library() is None:  # switched off since the build (tests do): Python's
             return None
         cos, sin = rope
@@ -108,7 +113,8 @@ class DecodeLoop:
             *layout.runs, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
             self.eps, self.fns, torch.get_num_threads(),
         )  # fmt: skip
-        if status == -3:  # nothing touched: the Python layers take the step
+        if status in (-3, -4):  # refused (-4 after storing some layers' K/V, which the
+            # Python layers store again, the same values): the Python layers take the step
             return None
         if status > 0:
             raise IndexError(f"{status} of {rows} slots outside the pool")
@@ -119,10 +125,34 @@ class DecodeLoop:
         return mlp, residual
 
 
+def _projection(p: Any) -> tuple[list[torch.Tensor], list[int], int, int] | None:
+    """(tensors, meta, min_rows, max_rows) of one projection for `decode_layers`: a oneDNN
+    pack (`.packed` from radixflow.runtime.models.prepack), or quantized row ranges (`.parts`
+    from radixflow.runtime.models.quantized, with each range's blocks and per-row scale);
+    None for anything else (a bias, an fp32 range, an MKL pack)."""
+    if getattr(p, "bias", None) is not None:
+        return None
+    packed = getattr(p, "packed", None)
+    if getattr(packed, "way", None) == "onednn":
+        return [packed.tensor], [], packed.min_rows, 1 << 62
+    parts = getattr(p, "parts", None)
+    if not parts or not all(
+        isinstance(w, QuantWeight) and w.qtype != 0 and w.data.is_contiguous() for w in parts
+    ):
+        return None
+    tensors: list[torch.Tensor] = []
+    meta: list[int] = []
+    for w in parts:
+        tensors += [w.data, w.scale if w.scale is not None else torch.empty(0)]
+        meta += [w.qtype, w.shape[0], w.row_bytes]
+    dense_from = getattr(p, "dense_from", 0)
+    return tensors, meta, 1, (dense_from - 1) if dense_from else 1 << 62
+
+
 def build(model: Any) -> DecodeLoop | None:
-    """The loop for `model` (a CausalLM after prepacking) when it qualifies and the
-    extension builds; else None. Every projection must carry a oneDNN pack (`.packed`, from
-    radixflow.runtime.models.prepack) and no bias."""
+    """The loop for `model` (a CausalLM after prepacking or with quantized projections) when
+    it qualifies and the extension builds; else None. Every projection must be a oneDNN pack
+    or quantized ranges the native kernel takes (`_projection`), without bias."""
 
     c = model.config
     param = model.norm
@@ -143,10 +173,8 @@ def build(model: Any) -> DecodeLoop | None:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     ]
     plain = plain and all(layer.act is F.silu for layer in model.layers)
-    plain = plain and all(
-        getattr(getattr(p, "packed", None), "way", None) == "onednn" and p.bias is None
-        for p in projections
-    )
+    described = [_projection(p) for p in projections]
+    plain = plain and all(d is not None for d in described)
     ext = extension() if plain else None  # None too where the native kernels are not built
     if ext is None:
         return None
@@ -155,14 +183,20 @@ def build(model: Any) -> DecodeLoop | None:
         ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         for name in ("rf_rms_norm", "rf_silu_mul", "rf_rope_decode_attention")
     ]
+    if any(d[1] for d in described):  # quantized ranges: the kernel by its address
+        qlinear = native_quant.address("rf_qlinear")
+        if qlinear is None:
+            return None
+        fns.append(qlinear)
     layers = model.layers
     weights = (
         [layer.input_norm.detach() for layer in layers],
         [layer.post_attention_norm.detach() for layer in layers],
-        *([p.packed.tensor for p in projections[i::4]] for i in range(4)),
+        [d[0] for d in described],
+        [d[1] for d in described],
     )
     return DecodeLoop(
-        ext, weights, max(p.packed.min_rows for p in projections), c.num_heads,
-        c.num_kv_heads, c.head_dim, c.attn_scale or 1.0 / math.sqrt(c.head_dim),
+        ext, weights, max(d[2] for d in described), min(d[3] for d in described),
+        c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale or 1.0 / math.sqrt(c.head_dim),
         c.rms_norm_eps, fns,
     )  # fmt: skip

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,8 +22,9 @@ from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
 from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
-from radixflow.runtime.models.layers import CausalLM, ModelConfig
-from radixflow.runtime.models.loader import load_hf_config, weight_files
+from radixflow.runtime.models import gguf_file, quantized
+from radixflow.runtime.models.layers import CausalLM, ModelConfig, Rope
+from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
 from radixflow.runtime.models.prepack import prepack
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 
@@ -47,13 +50,57 @@ def load_model(
     """Build the family's decoder from `model_dir` (config.json + safetensors shards) and
     load its weights. Raises UnsupportedModelError (architecture, option or attention
     backend) or CheckpointError (missing, unexpected or misshapen weights)."""
-    model_config = models.model_config(load_hf_config(model_dir))
-    model = CausalLM(model_config, pick_ops(config.attention_backend, device, model_config))
+    hf_config = load_hf_config(model_dir)
+    model_config = models.model_config(hf_config)
+    ops = pick_ops(config.attention_backend, device, model_config)
+    source = gguf_source(model_dir)
+    if source is not None and not config.dequantize_weights:
+        return load_gguf(source, hf_config, model_config, ops, config, device, dtype)
+    model = CausalLM(model_config, ops)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
         state.update(load_file(str(file)))
     model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
+    return finish_load(model, config)
+
+
+def load_gguf(
+    source: Path,
+    hf_config: Any,
+    model_config: ModelConfig,
+    ops: AttentionOps,
+    config: ServerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> CausalLM:
+    """A GGUF's decoder with its matrices kept in their quantized blocks (CPU, fp32
+    activations); `--dequantize-weights` takes the fp32 reference path instead."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise models.UnsupportedModelError(
+            f"quantized GGUF weights run on the CPU in float32 (asked: {device.type}, "
+            f"{dtype}); pass --dequantize-weights to load them dequantized"
+        )
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = CausalLM(model_config, ops)
+    model.rope = Rope(model_config, model_config.rope_theta, model_config.rope_scaling)
+    if model_config.sliding_rope:
+        model.sliding_rope = Rope(model_config, *model_config.sliding_rope)
+    quantized.install(model, gguf_file.read_state(source, hf_config))
+    model.eval()
+    kinds = sorted({t for m in quantized.quant_layers(model) for t in m.types})
+    log.info(
+        "%s: weights kept quantized (%s), %.1f MiB in memory, read in %.1f s",
+        source.name, ", ".join(kinds) or "fp32", quantized.weight_bytes(model) / 2**20,
+        time.perf_counter() - start,
+    )  # fmt: skip
+    quantized.choose_dense_rows(model)
+    return finish_load(model, config)
+
+
+def finish_load(model: CausalLM, config: ServerConfig) -> CausalLM:
+    """The CPU's packed sgemm layouts and compiled decode loop, where they apply."""
     if not config.disable_cpu_weight_prepack:
         prepack(model, config.cpu_matmul)
     if not config.disable_cpu_decode_loop:

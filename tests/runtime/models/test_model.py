@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,9 @@ def test_ragged_logits_match_transformers(engine):
     6e-5 from them here, so against each other they may differ by twice that."""
     from transformers import AutoModelForCausalLM
 
+    from radixflow.runtime.models.loader import weight_files
+
+    weight_files(Path(engine.model_info["model_path"]))  # the GGUF dequantised, once
     hf_model = AutoModelForCausalLM.from_pretrained(
         engine.model_info["model_path"], dtype=torch.float64
     ).eval()

@@ -1,0 +1,307 @@
+"""Projections, embeddings and LM heads multiplied from quantized weights.
+
+A decode step at a few rows reads every weight once, so its speed is the bytes it reads: a
+4-bit weight is an eighth of an fp32 one. `QuantLinear` keeps the weight in its blocks
+(`radixflow.kernels.quant.QuantWeight`: GGUF's types, int8 per channel, 4-bit groups) and
+multiplies with the native kernel (`radixflow.kernels.cpu.quant`), which dequantizes in
+registers and accumulates in fp32 against fp32 activations, so the result is the fp32
+reference's (the weights dequantized, then F.linear) up to the order of the additions.
+
+- A fused projection (q, k and v; gate and up) is one module over row ranges that may have
+  different types (a Q4_K_M file keeps v in Q6_K): same-typed neighbours are joined into one
+  weight, and each range writes its own columns of the output.
+- Many rows (prefill): the kernel works per row, so from `dense_from` rows on the weight is
+  dequantized into a scratch fp32 matrix and multiplied by the CPU's sgemm instead.
+  `choose_dense_rows` times both on the model's own first layer at load, as `prepack` does
+  for fp32 weights, and the choice is logged.
+- `QuantEmbedding` looks rows up from the same blocks; a tied LM head multiplies from them.
+- Where the native library cannot be built, each call takes the reference (dequantize +
+  F.linear): slower, same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixflow.kernels import quant
+from radixflow.kernels.cpu import quant as native
+from radixflow.runtime.models.weights import CheckpointError, checkpoint_names
+
+log = logging.getLogger(__name__)
+Part = quant.QuantWeight | torch.Tensor  # a quantized row range, or an fp32 (rows, K) one
+DENSE_CANDIDATES = (16, 32, 64, 128, 256)  # row counts from which dequantize + sgemm may win
+
+
+def _join(parts: Sequence[Part]) -> list[Part]:
+    """Neighbouring row ranges of one block type (and no per-row scale) joined into one."""
+    out: list[Part] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if (
+            isinstance(part, quant.QuantWeight)
+            and isinstance(last, quant.QuantWeight)
+            and last.qtype == part.qtype
+            and last.scale is None
+            and part.scale is None
+            and last.shape[1] == part.shape[1]
+        ):
+            data = torch.cat([last.data, part.data])
+            out[-1] = quant.QuantWeight(
+                part.qtype, data, (last.shape[0] + part.shape[0], part.shape[1])
+            )
+        elif isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor):
+            out[-1] = torch.cat([last, part])
+        else:
+            out.append(part)
+    return out
+
+
+def _rows(part: Part) -> int:
+    return part.shape[0]
+
+
+class QuantLinear(nn.Module):
+    """`x @ W.T + bias` with W's row ranges quantized (or fp32 where the file stores fp32)."""
+
+    def __init__(self, parts: Sequence[Part], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = _join(parts)
+        self.in_features = self.parts[0].shape[1]
+        self.out_features = sum(_rows(p) for p in self.parts)
+        self.offsets = [0]
+        for part in self.parts:
+            self.offsets.append(self.offsets[-1] + _rows(part))
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.dense_from = 0  # 0: the kernel at any row count (set by choose_dense_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            p.nbytes if isinstance(p, quant.QuantWeight) else p.numel() * 4 for p in self.parts
+        )
+
+    @property
+    def types(self) -> list[str]:
+        return [p.name if isinstance(p, quant.QuantWeight) else "F32" for p in self.parts]
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 (out, in) weight: the reference's matrix."""
+        return torch.cat(
+            [quant.dequantize(p) if isinstance(p, quant.QuantWeight) else p for p in self.parts]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        rows = flat.shape[0]
+        if self.dense_from and rows >= self.dense_from:
+            out = F.linear(flat, self._dense(), self.bias)
+        else:
+            out = flat.new_empty(rows, self.out_features)
+            for part, start, end in zip(self.parts, self.offsets, self.offsets[1:]):
+                bias = None if self.bias is None else self.bias[start:end]
+                columns = out[:, start:end] if len(self.parts) > 1 else out
+                _multiply(flat, part, bias, columns)
+        return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _dense(self) -> torch.Tensor:
+        pieces = []
+        for part in self.parts:
+            if isinstance(part, torch.Tensor):
+                pieces.append(part)
+                continue
+            dense = native.dequantize(part)
+            pieces.append(quant.dequantize(part) if dense is None else dense)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _multiply(x: torch.Tensor, part: Part, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out (a column range of the output, rows at its stride) = x @ part.T + bias."""
+    if isinstance(part, torch.Tensor):
+        out.copy_(F.linear(x, part, bias))
+        return
+    if native.linear(x, part, bias, out=out) is None:
+        out.copy_(quant.linear(x, part, bias))
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up from quantized rows."""
+
+    def __init__(self, weight: quant.QuantWeight) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = native.embedding(flat, self.weight_q)
+        if rows is None:
+            rows = quant.embedding(flat, self.weight_q)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+def quant_layers(model: nn.Module) -> list[QuantLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: blocks, fp32 tensors and buffers, each once."""
+    seen: set[int] = set()
+    total = 0
+
+    def count(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is not None and t.data_ptr() not in seen and t.numel():
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            count(p)
+        if isinstance(module, QuantLinear):
+            for part in module.parts:
+                count(part.data if isinstance(part, quant.QuantWeight) else part)
+                count(part.scale if isinstance(part, quant.QuantWeight) else None)
+        if isinstance(module, QuantEmbedding):
+            count(module.weight_q.data)
+    return total
+
+
+def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:
+    """The row count from which a layer's projections run faster dequantized into sgemm than
+    in the kernel, timed on the first layer's projections (0: the kernel always). Set on
+    every QuantLinear; returned for the log."""
+    layers = quant_layers(model)
+    if not layers or native.library() is None:
+        return 0
+    first = [m for m in layers if m.in_features == layers[0].in_features][:4] or layers[:4]
+    generator = torch.Generator().manual_seed(0)
+    chosen = 0
+    for rows in DENSE_CANDIDATES:
+        x = torch.randn(rows, first[0].in_features, generator=generator)
+        inputs = {
+            m.in_features: torch.randn(rows, m.in_features, generator=generator) for m in first
+        }
+        inputs[first[0].in_features] = x
+        times: dict[str, list[float]] = {"kernel": [], "dense": []}
+        for round_ in range(rounds + 1):
+            for way in times:
+                start = time.perf_counter()
+                for m in first:
+                    m.dense_from = 1 if way == "dense" else 0
+                    m(inputs[m.in_features])
+                if round_:
+                    times[way].append(time.perf_counter() - start)
+        for m in first:
+            m.dense_from = 0
+        kernel, dense = (statistics.median(times[w]) for w in ("kernel", "dense"))
+        if dense < kernel:
+            chosen = rows
+            log.info(
+                "quantized matmuls: dequantize + sgemm from %d rows (%.2f ms against the "
+                "kernel's %.2f ms)", rows, dense * 1e3, kernel * 1e3,
+            )  # fmt: skip
+            break
+    if not chosen:
+        log.info("quantized matmuls: the kernel at every row count up to %d", DENSE_CANDIDATES[-1])
+    for m in layers:
+        m.dense_from = chosen
+    return chosen
+
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def install(model: nn.Module, state: dict[str, Part]) -> None:
+    """Fill a decoder built on the meta device from `state` (Hugging Face names, as
+    `gguf_file.read_state` gives them): quantized matrices become QuantLinear /
+    QuantEmbedding, fp32 ones plain modules, vectors parameters. Raises CheckpointError
+    naming what is missing or left over, as `load_weights` does for safetensors."""
+    used: set[str] = set()
+
+    def take(name: str) -> list[Part] | None:
+        for names in checkpoint_names(name):
+            if all(n in state for n in names):
+                used.update(names)
+                return [state[n] for n in names]
+        return None
+
+    def bias_of(name: str) -> torch.Tensor | None:
+        found = take(name)
+        return None if found is None else torch.cat([torch.as_tensor(b) for b in found])
+
+    def linear(parts: list[Part], bias: torch.Tensor | None) -> nn.Module:
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            weight = torch.cat(parts) if len(parts) > 1 else parts[0]
+            module = nn.Linear(weight.shape[1], weight.shape[0], bias is not None)
+            module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+            if bias is not None:
+                module.bias = nn.Parameter(bias, requires_grad=False)
+            return module
+        return QuantLinear(parts, bias)
+
+    missing: list[str] = []
+    for i, layer in enumerate(model.layers):
+        for proj in PROJECTIONS:
+            parts = take(f"layers.{i}.{proj}.weight")
+            if parts is None:
+                missing.append(f"layers.{i}.{proj}.weight")
+                continue
+            bias = (
+                bias_of(f"layers.{i}.{proj}.bias")
+                if getattr(layer, proj).bias is not None
+                else None
+            )
+            setattr(layer, proj, linear(parts, bias))
+    embed = take("embed_tokens.weight")
+    if embed is None:
+        raise CheckpointError("checkpoint has no token embedding (model.embed_tokens.weight)")
+    if isinstance(embed[0], quant.QuantWeight):
+        model.embed_tokens = QuantEmbedding(embed[0])
+    else:
+        model.embed_tokens = nn.Embedding.from_pretrained(embed[0].contiguous(), freeze=True)
+    if model.lm_head is None:  # tied: the head multiplies from the embedding's blocks
+        model.quant_head = (
+            QuantLinear([embed[0]]) if isinstance(embed[0], quant.QuantWeight) else None
+        )
+    else:
+        head = take("lm_head.weight")
+        if head is None:
+            missing.append("lm_head.weight")
+        else:
+            model.lm_head = linear(head, None)
+            model.quant_head = model.lm_head if isinstance(model.lm_head, QuantLinear) else None
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        found = take(name)
+        if found is None:
+            missing.append(name)
+            continue
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        value = torch.cat(found) if len(found) > 1 else found[0]
+        if tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"weight {name}: shape {tuple(value.shape)}, the config implies "
+                f"{tuple(param.shape)}"
+            )
+        setattr(
+            owner,
+            name.rpartition(".")[2],
+            nn.Parameter(value.float().contiguous(), requires_grad=False),
+        )
+    unexpected = sorted(set(state) - used)
+    if missing or unexpected:
+        raise CheckpointError(
+            "GGUF does not match its config: "
+            + (f"missing {missing[:8]}" if missing else "")
+            + (f" unexpected {unexpected[:8]}" if unexpected else "")
+        )

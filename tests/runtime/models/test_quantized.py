@@ -1,0 +1,112 @@
+"""SmolLM2's GGUF served from its quantized blocks: what is in memory, and that it computes
+what the dequantize-to-fp32 reference computes (logits to 1e-4 of the largest, the same
+greedy replies), through the Python layers and the compiled decode loop alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CHAT_PROMPTS, chat
+from radixflow.kernels.quant import NAMES
+from radixflow.runtime.models.layers import ForwardBatch
+from radixflow.runtime.models.loader import builtin_gguf
+from radixflow.runtime.models.quantized import QuantEmbedding, QuantLinear, weight_bytes
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same file through the reference path: transformers dequantises it to fp32."""
+    from radixflow.runtime import Engine
+
+    with Engine(
+        model="smollm2", dequantize_weights=True, cpu_matmul="linear", max_total_tokens=2048
+    ) as eng:
+        yield eng
+
+
+def test_weights_stay_in_their_blocks(engine):
+    model = engine._loaded.model
+    layer = model.layers[0]
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        module = getattr(layer, name)
+        assert isinstance(module, QuantLinear), name
+        assert module.types == ["Q4_1"], (name, module.types)
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert NAMES[model.embed_tokens.weight_q.qtype] == "Q8_0"
+    assert model.quant_head is not None and model.quant_head.types == ["Q8_0"]  # tied head
+    file_size = builtin_gguf("smollm2").stat().st_size
+    held = weight_bytes(model)
+    # the file's tensors, each once (the tied head shares the embedding's blocks); the fp32
+    # form would be 540 MB
+    assert 0.9 * file_size < held < 1.02 * file_size, (held, file_size)
+
+
+def _batch(token_lists: list[list[int]]) -> ForwardBatch:
+    ids = [t for tokens in token_lists for t in tokens]
+    lengths = [len(t) for t in token_lists]
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return ForwardBatch(
+        input_ids=torch.tensor(ids),
+        positions=torch.tensor([p for n in lengths for p in range(n)]),
+        out_slots=torch.arange(len(ids)),
+        num_extend_tokens=len(ids),
+        extend_qo_indptr=indptr,
+        extend_kv_indptr=torch.zeros(len(lengths) + 1, dtype=torch.int64),
+        extend_kv_indices=torch.zeros(0, dtype=torch.int64),
+        decode_kv_indptr=torch.zeros(1, dtype=torch.int64),
+        decode_kv_indices=torch.zeros(0, dtype=torch.int64),
+        logit_rows=torch.arange(len(ids)),
+    )
+
+
+@pytest.mark.parametrize("prompts", [1, 3], ids=["one-prompt", "three-prompts"])
+def test_logits_match_the_dequantized_reference(engine, reference, prompts):
+    """Every position's logits of a prefill (many rows through every projection and the
+    head), against the fp32 reference: within 1e-4 of the largest logit."""
+    tokens = [engine.tokenizer.encode(chat(p)) for p in CHAT_PROMPTS[:prompts]]
+    batch = _batch(tokens)
+    outs = []
+    for eng in (engine, reference):
+        c = eng._loaded.model.config
+        k = torch.zeros(c.num_layers, len(batch.input_ids), c.num_kv_heads, c.head_dim)
+        outs.append(eng._loaded.model(batch, k, torch.zeros_like(k)))
+    got, want = outs
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_projections_match_at_decode_sizes(engine, reference):
+    """1 to 16 rows through each kind of projection and the head, against the reference's
+    fp32 weights (the same file, dequantised by transformers + gguf)."""
+    ours, theirs = engine._loaded.model, reference._loaded.model
+    generator = torch.Generator().manual_seed(0)
+    pairs = [
+        (ours.layers[3].qkv_proj, theirs.layers[3].qkv_proj.weight),
+        (ours.layers[3].down_proj, theirs.layers[3].down_proj.weight),
+        (ours.quant_head, theirs.embed_tokens.weight),
+    ]
+    for rows in (1, 2, 3, 4, 7, 16):
+        for module, weight in pairs:
+            x = torch.randn(rows, weight.shape[1], generator=generator)
+            want = x @ weight.T
+            assert (module(x) - want).abs().max() <= 1e-4 * want.abs().max(), rows
+
+
+def test_greedy_replies_equal_the_reference(engine, reference):
+    prompts = [chat(p) for p in CHAT_PROMPTS]
+    ours = engine.generate(prompts, sampling_params=GREEDY)
+    theirs = reference.generate(prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in theirs]
+    # one at a time: single rows, through the compiled decode loop where it is built
+    for prompt, want in zip(prompts[:2], theirs[:2]):
+        assert engine.generate(prompt, sampling_params=GREEDY)["output_ids"] == want["output_ids"]
+
+
+def test_the_reference_path_is_plain_fp32(reference):
+    model = reference._loaded.model
+    assert type(model.layers[0].qkv_proj) is torch.nn.Linear
+    assert Path(reference.model_info["model_path"], "model.safetensors").is_file()
