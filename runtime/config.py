@@ -23,6 +23,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
@@ -104,6 +105,12 @@ class ServerConfig:
         "CPU fp32 matmuls: from weights prepacked once for oneDNN ('onednn') or MKL ('mkl'), "
         "or F.linear ('linear'); 'auto' times all three on the model's shapes at load and "
         "keeps the fastest (the packed copies cost one more copy of the weights)",
+    )
+    quantization: str = _knob(
+        "",
+        "int8: quantize an fp32/bf16 checkpoint's projections and head to int8 per output "
+        "channel at load (weight-only); awq or gptq: the checkpoint's own 4-bit method (read "
+        "from its quantization_config anyway; naming it checks it); '' = as stored",
     )
     dequantize_weights: bool = _knob(
         False,
@@ -194,6 +201,10 @@ class ServerConfig:
                 "speculative_disable_by_batch_size must be >= 0",
             ),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (
+                self.quantization in QUANTIZATIONS,
+                f"quantization must be one of {QUANTIZATIONS}",
+            ),
             (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {CPU_MATMULS}"),
             (
                 not self.trust_remote_code,

@@ -318,8 +318,15 @@ def end_processes(procs: list[subprocess.Popen[bytes]], wait_s: float) -> None:
 def load_shard(
     model_dir: Path, config: ServerConfig, device: torch.device, tp: TensorParallel
 ) -> CausalLM:
-    """This rank's shard of the model in `model_dir`, read from the checkpoint's slices."""
-    full = models.model_config(load_hf_config(model_dir))
+    """This rank's shard of the model in `model_dir`, read from the checkpoint's slices (fp32
+    or bf16: a GGUF is read dequantised; AWQ/GPTQ and int8 are refused)."""
+    hf_config = load_hf_config(model_dir)
+    if getattr(hf_config, "quantization_config", None) or config.quantization:
+        raise models.UnsupportedModelError(
+            "--tp-size > 1 shards fp32/bf16 weights only: not AWQ/GPTQ checkpoints or "
+            "--quantization int8 (GGUF files are dequantised for it)"
+        )
+    full = models.model_config(hf_config)
     shard = plan_shard(full, tp.size, tp.rank)
     model = CausalLM(local_config(full, shard), pick_ops(config.attention_backend, device, full))
     model.load_hf_state_dict(read_shard_state(weight_files(model_dir), full, shard))

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from radixflow.kernels import AttentionOps, get_ops
+from radixflow.kernels import AttentionOps, get_ops, quant
 from radixflow.kernels.cpu import decode_loop
 from radixflow.runtime import models
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
 from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
-from radixflow.runtime.models import gguf_file, quantized
+from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.layers import CausalLM, ModelConfig, Rope
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
 from radixflow.runtime.models.prepack import prepack
@@ -47,54 +47,88 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_model(
     model_dir: Path, config: ServerConfig, device: torch.device, dtype: torch.dtype
 ) -> CausalLM:
-    """Build the family's decoder from `model_dir` (config.json + safetensors shards) and
-    load its weights. Raises UnsupportedModelError (architecture, option or attention
+    """Build the family's decoder from `model_dir` (config.json + safetensors shards, or a
+    GGUF's directory) and load its weights: a GGUF's and an AWQ/GPTQ checkpoint's matrices
+    kept quantized (unless --dequantize-weights), an fp32/bf16 checkpoint's quantized to int8
+    with --quantization int8. Raises UnsupportedModelError (architecture, option or attention
     backend) or CheckpointError (missing, unexpected or misshapen weights)."""
     hf_config = load_hf_config(model_dir)
     model_config = models.model_config(hf_config)
+    method = checkpoint_quant.quant_method(hf_config)
+    if config.quantization not in ("", "int8", method):
+        raise models.UnsupportedModelError(
+            f"--quantization {config.quantization}: the checkpoint is "
+            + (f"{method}-quantized" if method else "not quantized (int8 quantizes at load)")
+        )
     ops = pick_ops(config.attention_backend, device, model_config)
     source = gguf_source(model_dir)
     if source is not None and not config.dequantize_weights:
-        return load_gguf(source, hf_config, model_config, ops, config, device, dtype)
-    model = CausalLM(model_config, ops)
+        state = gguf_file.read_state(source, hf_config)
+        return load_quantized(source.name, model_config, ops, state, config, device, dtype)
+    start = time.perf_counter()
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(model_dir):
         state.update(load_file(str(file)))
+    if method:
+        converted = checkpoint_quant.convert_state(state, method)
+        if not config.dequantize_weights:
+            return load_quantized(
+                model_dir.name, model_config, ops, converted, config, device, dtype
+            )
+        state = {
+            k: quant.dequantize(v) if isinstance(v, quant.QuantWeight) else v
+            for k, v in converted.items()
+        }
+    model = CausalLM(model_config, ops)
     model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
+    del state
+    if config.quantization == "int8":
+        _quantized_only_on_cpu(device, dtype)
+        checkpoint_quant.quantize_int8(model)
+        _log_quantized(model, model_dir.name, start)
+        quantized.choose_dense_rows(model)
     return finish_load(model, config)
 
 
-def load_gguf(
-    source: Path,
-    hf_config: Any,
+def _quantized_only_on_cpu(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type != "cpu" or dtype != torch.float32:
+        raise models.UnsupportedModelError(
+            f"quantized weights run on the CPU in float32 (asked: {device.type}, {dtype}); "
+            "pass --dequantize-weights to load them dequantized"
+        )
+
+
+def _log_quantized(model: CausalLM, name: str, start: float) -> None:
+    kinds = sorted({t for m in quantized.quant_layers(model) for t in m.types})
+    log.info(
+        "%s: weights kept quantized (%s), %.1f MiB in memory, loaded in %.1f s",
+        name, ", ".join(kinds) or "fp32", quantized.weight_bytes(model) / 2**20,
+        time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def load_quantized(
+    name: str,
     model_config: ModelConfig,
     ops: AttentionOps,
+    state: dict[str, Any],
     config: ServerConfig,
     device: torch.device,
     dtype: torch.dtype,
 ) -> CausalLM:
-    """A GGUF's decoder with its matrices kept in their quantized blocks (CPU, fp32
-    activations); `--dequantize-weights` takes the fp32 reference path instead."""
-    if device.type != "cpu" or dtype != torch.float32:
-        raise models.UnsupportedModelError(
-            f"quantized GGUF weights run on the CPU in float32 (asked: {device.type}, "
-            f"{dtype}); pass --dequantize-weights to load them dequantized"
-        )
+    """A decoder whose matrices stay in the blocks `state` holds (QuantWeight values), built
+    on the meta device so that no fp32 copy of them is ever made (CPU, fp32 activations)."""
+    _quantized_only_on_cpu(device, dtype)
     start = time.perf_counter()
     with torch.device("meta"):
         model = CausalLM(model_config, ops)
     model.rope = Rope(model_config, model_config.rope_theta, model_config.rope_scaling)
     if model_config.sliding_rope:
         model.sliding_rope = Rope(model_config, *model_config.sliding_rope)
-    quantized.install(model, gguf_file.read_state(source, hf_config))
+    quantized.install(model, state)
     model.eval()
-    kinds = sorted({t for m in quantized.quant_layers(model) for t in m.types})
-    log.info(
-        "%s: weights kept quantized (%s), %.1f MiB in memory, read in %.1f s",
-        source.name, ", ".join(kinds) or "fp32", quantized.weight_bytes(model) / 2**20,
-        time.perf_counter() - start,
-    )  # fmt: skip
+    _log_quantized(model, name, start)
     quantized.choose_dense_rows(model)
     return finish_load(model, config)
 

@@ -54,8 +54,6 @@ def architecture_of(config: dict[str, Any]) -> str:
 
 def model_config(hf_config: Any) -> Any:
     """transformers config object -> `layers.ModelConfig`; raises UnsupportedModelError."""
-    arch = architecture_of(hf_config.to_dict())
-    if getattr(hf_config, "quantization_config", None):
-        raise UnsupportedModelError("quantized checkpoints (quantization_config) are not supported")
+    arch = architecture_of(hf_config.to_dict())  # quantization_config: checkpoint_quant.py
     family = importlib.import_module(f"radixflow.runtime.models.{ARCHITECTURES[arch]}")
     return family.CONFIGS[arch](hf_config, arch)
