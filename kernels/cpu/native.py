@@ -80,41 +80,51 @@ def _openmp_flag() -> list[str]:
 
 
 def _load() -> ctypes.CDLL | None:
+    return build(SOURCE, "kernels", FLAGS, SIGNATURES)
+
+
+def build(
+    source: Path, name: str, flags: list[str], signatures: dict[str, tuple[object, list[object]]]
+) -> ctypes.CDLL | None:
+    """`source` compiled (with `flags` and the OpenMP flag) into `name`-<key>.so in the cache
+    directory, keyed by the source, the compiler, its flags and the CPU's flags, and loaded with
+    `signatures` ({function: (restype, argtypes)}) set; None where `RADIXFLOW_NATIVE=0`, no
+    compiler or a failed build (logged)."""
     if os.environ.get("RADIXFLOW_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.info("no C compiler found: native CPU kernels off, torch ops used")
         return None
-    flags = FLAGS + _openmp_flag()
+    flags = flags + _openmp_flag()
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
         cpu = next((line for line in _cpuinfo() if line.startswith("flags")), "")
         key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), compiler, version, *flags, cpu]).encode()
+            "\0".join([source.read_text(), compiler, version, *flags, cpu]).encode()
         ).hexdigest()[:16]
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
-        target = root / "native" / f"kernels-{key}.so"
+        target = root / "native" / f"{name}-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
                 result = subprocess.run(
-                    [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                    [compiler, *flags, str(source), "-o", str(built), "-lm"],
                     capture_output=True, text=True, timeout=300,
                 )  # fmt: skip
                 if result.returncode != 0:
-                    log.warning("native CPU kernels failed to build: %s", result.stderr[-2000:])
+                    log.warning("%s failed to build: %s", source.name, result.stderr[-2000:])
                     return None
                 os.replace(built, target)  # atomic: other processes see all of it or none
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native CPU kernels unavailable (%s): torch ops used", e)
+        log.warning("native CPU kernels of %s unavailable (%s): torch ops used", source.name, e)
         return None
-    for name, (restype, argtypes) in SIGNATURES.items():
-        function = getattr(lib, name)
+    for function_name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, function_name)
         function.restype, function.argtypes = restype, argtypes
     return lib
 

@@ -201,11 +201,14 @@ def prepack(model: nn.Module, way: str = "auto") -> str:
         if not found or not ways:
             return "linear"
         head = getattr(model, "lm_head", None)  # untied: packed with the projections
-        head_weight = model.embed_tokens.weight if head is None else head.weight
+        # a head in quantized blocks multiplies from them (a GGUF whose Q3_K matrices were
+        # dequantized at load has plain fp32 projections beside it)
+        quant_head = getattr(model, "quant_head", None) is not None
+        head_weights = [] if quant_head else [(model.embed_tokens if head is None else head).weight]
         min_rows = PACKED_MIN_ROWS if way == "mkl" else 1
         if way == "auto":
             layer = [child.weight for _, _, child in found[:4]]
-            way, min_rows = choose([*layer, head_weight], ways)
+            way, min_rows = choose([*layer, *head_weights], ways)
             if way == "linear":
                 return way
         first = pack(found[0][2].weight, way, min_rows)  # checked once, then used
@@ -216,5 +219,8 @@ def prepack(model: nn.Module, way: str = "auto") -> str:
             packed = first if i == 0 else pack(child.weight, way, min_rows)
             setattr(parent, name, PackedLinear(child, packed))
         # an untied head was among `found`, and is now a PackedLinear
-        model.head_pack = pack(head_weight, way, min_rows) if head is None else model.lm_head.packed
+        if not quant_head:
+            model.head_pack = (
+                pack(head_weights[0], way, min_rows) if head is None else model.lm_head.packed
+            )
     return way

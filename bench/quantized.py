@@ -1,0 +1,281 @@
+"""Quantized weights side by side: radixflow from the GGUF's blocks, radixflow from the same
+file dequantised to fp32 (`--dequantize-weights`, the old path), and llama.cpp on the same
+file; decode speed at 1 and N streams, resident memory and load time.
+
+    python -m radixflow.bench.quantized speed [--model smollm2] [--streams 1,16] [--repeats 3]
+    python -m radixflow.bench.quantized memory [--model smollm2]
+    python -m radixflow.bench.quantized write-big DIR   # the 7B-class synthetic GGUFs
+
+- speed: each system decodes `--new-tokens` greedy tokens (EOS ignored) for 1 chat prompt,
+  then N distinct ones at once; systems interleaved round by round, `--repeats` rounds, the
+  median reported with the ratio to llama.cpp. llama.cpp runs in its own venv
+  (`BENCH_LLAMA_CPP_PYTHON`, bench/peers.py) with the same thread count.
+- memory: each variant loads in a fresh process, which reports its resident set (VmRSS)
+  with the KV pool allocated, and its load time.
+- write-big: Llama-shaped GGUFs (hidden 4096, 32 layers, 32 heads, 11008 FFN, SmolLM2's
+  vocabulary and tokenizer) with random blocks, one in Q4_0 and one mixing Q4_K and Q6_K as
+  llama.cpp's Q4_K_M does (v and down projections and the output in Q6_K). Random
+  weights: speed and memory only; the text they generate means nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from radixflow.bench.rounds import System
+
+PROMPTS = (
+    "Write a story about a robot who learns to paint.",
+    "Explain how a bicycle works.",
+    "List ten animals and one fact about each.",
+    "Describe the water cycle for a child.",
+    "What makes a good breakfast? Give reasons.",
+    "Summarise the history of the printing press.",
+    "Give advice to a new programmer.",
+    "Describe a walk through a forest in autumn.",
+)
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _systems(model: str, threads: int) -> dict[str, Any]:
+    """name -> a callable(calls) that runs one round and returns the outputs."""
+    from radixflow.bench import baselines  # noqa: PLC0415 (torch: only when the bench runs)
+    from radixflow.bench.engine import RadixflowSystem  # noqa: PLC0415 (torch: only when the bench runs)
+    from radixflow.runtime import Engine  # noqa: PLC0415 (torch: only when the bench runs)
+    from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf  # noqa: PLC0415 (torch: only when the bench runs)
+
+    gguf = builtin_gguf(model) if model in BUILTIN_MODELS else model
+    pool = {"max_total_tokens": 8192, "max_running_requests": 64}
+    systems: dict[str, System] = {
+        "radixflow": RadixflowSystem("radixflow", Engine(model_path=model, **pool), owned=True),
+    }
+    if os.environ.get("BENCH_FP32", "1") != "0":
+        fp32 = Engine(model_path=model, dequantize_weights=True, **pool)
+        systems["radixflow-fp32"] = RadixflowSystem("radixflow-fp32", fp32, owned=True)
+    python = os.environ.get("BENCH_LLAMA_CPP_PYTHON")
+    if python:
+        args = {"model_path": str(gguf), "n_ctx": 8192, "threads": threads}
+        systems["llama.cpp"] = baselines.WorkerSystem("llama.cpp", python, args)
+    return systems
+
+
+def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch  # noqa: PLC0415 (torch: only when the bench runs)
+
+    from radixflow.bench.workloads import Call  # noqa: PLC0415 (torch: only when the bench runs)
+    from radixflow.runtime.models.loader import resolve_model_dir  # noqa: PLC0415 (torch: only when the bench runs)
+    from radixflow.runtime.tokenizer import load_tokenizer  # noqa: PLC0415 (torch: only when the bench runs)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    ids = [tuple(tokenizer.encode(chat(p), add_special_tokens=False)) for p in PROMPTS]
+    systems = _systems(args.model, threads)
+    rows = []
+    try:
+        for streams in [int(s) for s in args.streams.split(",")]:
+            calls = [Call(ids[i % len(ids)], args.new_tokens) for i in range(streams)]
+            times: dict[str, list[float]] = {name: [] for name in systems}
+            outputs: dict[str, Any] = {}
+            for round_ in range(args.repeats + 1):  # round 0 warms every system up
+                for name, system in systems.items():
+                    system.start_workload()
+                    start = time.perf_counter()
+                    result = system.run_round(calls)
+                    elapsed = time.perf_counter() - start
+                    if round_:
+                        times[name].append(elapsed)
+                    outputs[name] = result.outputs
+            base = statistics.median(times["llama.cpp"]) if "llama.cpp" in times else None
+            for name, t in times.items():
+                median = statistics.median(t)
+                row = {
+                    "streams": streams,
+                    "system": name,
+                    "tokens_per_s": round(streams * args.new_tokens / median, 1),
+                    "runs_s": [round(x, 3) for x in t],
+                    "same_output_as_radixflow": outputs[name] == outputs["radixflow"],
+                }
+                if base:
+                    row["vs_llama.cpp"] = round(base / median, 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for system in systems.values():
+            system.close()
+    return rows
+
+
+MEMORY_CHILD = """
+import json, os, sys, time
+start = time.perf_counter()
+from radixflow.runtime import Engine
+options = json.loads(sys.argv[3])
+engine = Engine(model_path=sys.argv[1], max_total_tokens=int(sys.argv[2]), **options)
+loaded = time.perf_counter() - start
+engine.generate("Hello", sampling_params={"max_new_tokens": 4, "temperature": 0})
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS"))
+print(json.dumps({"rss_mib": round(rss / 1024, 1), "load_s": round(loaded, 1)}))
+engine.shutdown()
+"""
+
+
+def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for name, extra in (
+        ("quantized", {}),
+        ("fp32 (--dequantize-weights)", {"dequantize_weights": True}),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", MEMORY_CHILD, args.model, str(args.pool), json.dumps(extra)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        row = {"variant": name, "pool_tokens": args.pool, **json.loads(out.stdout.splitlines()[-1])}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# ---- the synthetic 7B-class files -------------------------------------------------------
+
+BIG = dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008)
+
+
+def _blocks(qtype: Any, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `qtype` for a (rows, cols) matrix, scales set so each weight has a
+    standard deviation near 1/sqrt(cols) (activations stay in range through 32 layers)."""
+    import gguf  # noqa: PLC0415 (only when writing the files)
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    target = 1.0 / np.sqrt(cols)
+    T = gguf.GGMLQuantizationType
+
+    def put(offset: int, value: float) -> None:
+        data[:, :, offset : offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+    if qtype == T.Q4_0:
+        put(0, target / 4.6)
+    elif qtype == T.Q4_K:  # d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+        put(0, target / (4.6 * 32))
+        put(2, target / (4.6 * 32) / 4)
+    elif qtype == T.Q6_K:  # 128 low bits, 64 high bits, 16 int8 scales, d
+        data[:, :, 192:208] = rng.integers(1, 40, size=(rows, cols // block, 16), dtype=np.uint8)
+        put(208, target / (18.5 * 23))
+    else:
+        raise ValueError(f"no random blocks for {qtype}")
+    return data.reshape(rows, -1)
+
+
+def write_big(path: Path, mix: str, seed: int = 0) -> Path:
+    """A Llama-shaped GGUF with random blocks: mix 'q4_0' (every matrix Q4_0, the norms F32)
+    or 'q4_k_m' (Q4_K, with v, down and the output in Q6_K)."""
+    import gguf  # noqa: PLC0415 (only when writing the files)
+
+    from radixflow.runtime.models.loader import builtin_gguf  # noqa: PLC0415 (torch: only when the bench runs)
+
+    T = gguf.GGMLQuantizationType
+    source = gguf.GGUFReader(str(builtin_gguf("smollm2")))
+    c, rng = BIG, np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c["layers"])
+    writer.add_context_length(4096)
+    writer.add_embedding_length(c["hidden"])
+    writer.add_feed_forward_length(c["ffn"])
+    writer.add_head_count(c["heads"])
+    writer.add_head_count_kv(c["kv_heads"])
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(c["hidden"] // c["heads"])
+    for key, field in source.fields.items():  # SmolLM2's tokenizer, as it ships
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, kind)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    base = T.Q4_0 if mix == "q4_0" else T.Q4_K
+    heavy = T.Q4_0 if mix == "q4_0" else T.Q6_K
+    h, f = c["hidden"], c["ffn"]
+    plan: list[tuple[str, Any, int, int]] = [("token_embd.weight", base, vocab, h)]
+    for i in range(c["layers"]):
+        plan += [
+            (f"blk.{i}.attn_norm.weight", T.F32, 1, h),
+            (f"blk.{i}.attn_q.weight", base, h, h),
+            (f"blk.{i}.attn_k.weight", base, h, h),
+            (f"blk.{i}.attn_v.weight", heavy, h, h),
+            (f"blk.{i}.attn_output.weight", base, h, h),
+            (f"blk.{i}.ffn_norm.weight", T.F32, 1, h),
+            (f"blk.{i}.ffn_gate.weight", base, f, h),
+            (f"blk.{i}.ffn_up.weight", base, f, h),
+            (f"blk.{i}.ffn_down.weight", heavy, h, f),
+        ]
+    plan += [("output_norm.weight", T.F32, 1, h), ("output.weight", heavy, vocab, h)]
+    for name, qtype, rows, cols in plan:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if qtype == T.F32:
+            writer.add_tensor_info(name, (cols,), np.dtype(np.float32), cols * 4)
+        else:
+            nbytes = rows * cols // block * size
+            writer.add_tensor_info(
+                name, (rows, cols // block * size), np.dtype(np.uint8), nbytes, raw_dtype=qtype
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, qtype, rows, cols in plan:
+        if qtype == T.F32:
+            writer.write_tensor_data(np.ones(cols, dtype=np.float32))
+        else:
+            writer.write_tensor_data(_blocks(qtype, rows, cols, rng))
+    writer.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m radixflow.bench.quantized")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--model", default="smollm2")
+    s.add_argument("--streams", default="1,16")
+    s.add_argument("--new-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--threads", type=int, default=0)
+    m = sub.add_parser("memory")
+    m.add_argument("--model", default="smollm2")
+    m.add_argument("--pool", type=int, default=2048)
+    w = sub.add_parser("write-big")
+    w.add_argument("dir", type=Path)
+    w.add_argument("--mix", default="q4_0,q4_k_m")
+    args = parser.parse_args(argv)
+    if args.command == "speed":
+        speed(args)
+    elif args.command == "memory":
+        memory(args)
+    else:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        for mix in args.mix.split(","):
+            start = time.perf_counter()
+            path = write_big(args.dir / f"llama-7b-random-{mix}.gguf", mix)
+            size = path.stat().st_size / 2**30
+            print(f"{path}: {size:.2f} GiB in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+/* Matmul, dequantize and row gather straight from GGUF-style quantized weight blocks, so a
+ * quantized model keeps its 0.5-1 byte weights in memory instead of 4-byte fp32 copies, and
+ * decode (memory-bound: every weight read once per token) streams 4-8x fewer bytes.
+ * Built at first use by kernels/cpu/quant.py and called through ctypes or, from the C++ decode
+ * loop, through rf_qlinear's address. The torch reference is kernels/quant.py; the tests
+ * (tests/kernels/test_quant.py) hold every path here to it.
+ *
+ * Numerics: activations stay fp32. A weight block is dequantized to fp32 with the reference's
+ * roundings (compiled with -ffp-contract=off, so d * q + m is a product then a sum, as numpy's;
+ * rf_qdequantize equals the reference bit for bit), then accumulated in fp32 with fma.
+ *
+ * Layout of the work: output rows go in panels of NR; a panel is dequantized into a per-thread
+ * scratch (NR x K floats, L1/L2-resident) and every row of x is dotted against it, MR rows at a
+ * time with MR x NR vector accumulators. So each weight row is read from memory once per call
+ * and dequantized once, whatever M is.
+ *
+ * ISA: this file includes itself three times below, under `#pragma GCC target` for AVX-512
+ * (16-float vectors), AVX2+FMA+F16C (8) and the compiler's baseline (4-float vectors: SSE2 on
+ * x86-64, portable C elsewhere), each copy's functions suffixed by its ISA; rf_* pick one at
+ * run time (__builtin_cpu_supports), lowered by RADIXFLOW_QUANT_ISA=avx2|scalar or
+ * rf_qset_isa. The library is built without -march=native, so the baseline copy runs
+ * anywhere. */
+#ifndef QUANT_BODY
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define QUANT_X86 1
+#endif
+
+enum {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+    Q6_K = 14, BF16 = 30, I8 = 1000, Q4G128 = 1001,
+};
+#define NR 4 /* output rows per panel */
+
+/* (block size, bytes per block) of a qtype; block size 0 for one not handled here */
+static void block_of(int qtype, int64_t *size, int64_t *bytes) {
+    switch (qtype) {
+    case F16: case BF16: *size = 1, *bytes = 2; return;
+    case I8: *size = 1, *bytes = 1; return;
+    case Q4_0: *size = 32, *bytes = 18; return;
+    case Q4_1: *size = 32, *bytes = 20; return;
+    case Q5_0: *size = 32, *bytes = 22; return;
+    case Q5_1: *size = 32, *bytes = 24; return;
+    case Q8_0: *size = 32, *bytes = 34; return;
+    case Q4_K: *size = 256, *bytes = 144; return;
+    case Q5_K: *size = 256, *bytes = 176; return;
+    case Q6_K: *size = 256, *bytes = 210; return;
+    case Q4G128: *size = 128, *bytes = 72; return;
+    default: *size = 0, *bytes = 0;
+    }
+}
+
+static int valid(int qtype, int64_t K, int64_t row_bytes, const float *scale) {
+    int64_t size, bytes;
+    block_of(qtype, &size, &bytes);
+    return size > 0 && K > 0 && K % size == 0 && row_bytes >= K / size * bytes &&
+           (qtype != I8 || scale != NULL);
+}
+
+/* IEEE half -> float, exact (subnormals as m * 2^-24, exact in fp32) */
+static inline float half_sw(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, bits;
+    float f;
+    if (e == 31)
+        bits = 0x7f800000u | (m << 13);
+    else if (e)
+        bits = ((e + 112) << 23) | (m << 13);
+    else {
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+    }
+    bits |= sign;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float rdf(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+
+static const int32_t IOTA[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* Q4_K / Q5_K: the 8 six-bit scales and mins of a block, packed in 12 bytes */
+static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SUFFIX)
+#define QUANT_BODY
+
+#ifdef QUANT_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#define SUFFIX _avx512
+#define VW 16
+#define MR 4
+#include __FILE__
+#undef SUFFIX
+#undef VW
+#undef MR
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define SUFFIX _avx2
+#define VW 8
+#define MR 2
+#include __FILE__
+#undef SUFFIX
+#undef VW
+#undef MR
+#pragma GCC pop_options
+#endif
+
+#define SUFFIX _base
+#define VW 4
+#define MR 2
+#include __FILE__
+#undef SUFFIX
+#undef VW
+#undef MR
+
+/* ---- dispatch ---- */
+enum { ISA_BASE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static int isa_level = -1;
+
+static int best_isa(void) {
+#ifdef QUANT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return ISA_AVX2; /* every AVX2 CPU made has F16C */
+#endif
+    return ISA_BASE;
+}
+
+/* The path used: the best the CPU has, lowered by `want` (0 base, 1 avx2, 2 avx512) when
+ * want >= 0; a negative want keeps the current choice (first: RADIXFLOW_QUANT_ISA's). */
+int rf_qset_isa(int want) {
+    int best = best_isa();
+    if (want < 0 && isa_level >= 0) return isa_level;
+    if (want < 0) {
+        const char *env = getenv("RADIXFLOW_QUANT_ISA");
+        want = !env ? ISA_AVX512 : !strcmp(env, "avx2") ? ISA_AVX2
+             : !strcmp(env, "scalar") ? ISA_BASE : ISA_AVX512;
+    }
+    isa_level = want < best ? want : best;
+    return isa_level;
+}
+
+static inline int isa(void) { return isa_level >= 0 ? isa_level : rf_qset_isa(-1); }
+
+int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
+               int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
+               int64_t ldo, int threads) {
+    if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
+    if (M == 0 || N == 0) return 0;
+    switch (isa()) {
+#ifdef QUANT_X86
+    case ISA_AVX512:
+        return qlinear_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+    case ISA_AVX2:
+        return qlinear_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+#endif
+    default:
+        return qlinear_base(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+    }
+}
+
+int rf_qdequantize(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t K, int qtype,
+                   const float *scale, float *out, int threads) {
+    if (!valid(qtype, K, row_bytes, scale) || rows < 0) return -1;
+    switch (isa()) {
+#ifdef QUANT_X86
+    case ISA_AVX512: gather_avx512(w, row_bytes, K, qtype, scale, NULL, rows, out, threads); break;
+    case ISA_AVX2: gather_avx2(w, row_bytes, K, qtype, scale, NULL, rows, out, threads); break;
+#endif
+    default: gather_base(w, row_bytes, K, qtype, scale, NULL, rows, out, threads);
+    }
+    return 0;
+}
+
+int rf_qget_rows(const uint8_t *w, int64_t row_bytes, int64_t K, int qtype, const float *scale,
+                 const int64_t *ids, int64_t n, float *out, int threads) {
+    if (!valid(qtype, K, row_bytes, scale) || n < 0) return -1;
+    switch (isa()) {
+#ifdef QUANT_X86
+    case ISA_AVX512: gather_avx512(w, row_bytes, K, qtype, scale, ids, n, out, threads); break;
+    case ISA_AVX2: gather_avx2(w, row_bytes, K, qtype, scale, ids, n, out, threads); break;
+#endif
+    default: gather_base(w, row_bytes, K, qtype, scale, ids, n, out, threads);
+    }
+    return 0;
+}
+
+#else /* ---- QUANT_BODY: one ISA's copy, names suffixed by SUFFIX, VW floats a vector ---- */
+
+typedef float FN(vf) __attribute__((vector_size(VW * 4)));
+typedef int32_t FN(vi) __attribute__((vector_size(VW * 4)));
+typedef uint8_t FN(vb) __attribute__((vector_size(VW)));
+typedef uint16_t FN(vh) __attribute__((vector_size(VW * 2)));
+#define vf FN(vf)
+#define vi FN(vi)
+
+static inline vf FN(ld)(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void FN(st)(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vi FN(ldi)(const int32_t *p) { vi v; memcpy(&v, p, sizeof v); return v; }
+/* VW bytes (ldb) or uint16s (ldw) zero-extended to int32 lanes; GCC 12 scalarizes
+ * __builtin_convertvector for these, hence the intrinsics */
+#if VW == 16
+static inline vi FN(ldb)(const uint8_t *p) {
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)p));
+}
+static inline vi FN(ldw)(const uint8_t *p) {
+    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p));
+}
+#elif VW == 8
+static inline vi FN(ldb)(const uint8_t *p) {
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p));
+}
+static inline vi FN(ldw)(const uint8_t *p) {
+    return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p));
+}
+#elif defined(QUANT_X86)
+static inline vi FN(ldb)(const uint8_t *p) {
+    __m128i z = _mm_setzero_si128(), b = _mm_cvtsi32_si128((int)rd32(p));
+    return (vi)_mm_unpacklo_epi16(_mm_unpacklo_epi8(b, z), z);
+}
+static inline vi FN(ldw)(const uint8_t *p) {
+    return (vi)_mm_unpacklo_epi16(_mm_loadl_epi64((const void *)p), _mm_setzero_si128());
+}
+#else
+static inline vi FN(ldb)(const uint8_t *p) {
+    FN(vb) b; memcpy(&b, p, sizeof b); return __builtin_convertvector(b, vi);
+}
+static inline vi FN(ldw)(const uint8_t *p) {
+    FN(vh) h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vi);
+}
+#endif
+#if VW == 16 /* the same, sign-extended */
+static inline vi FN(ldsb)(const uint8_t *p) {
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p));
+}
+#elif VW == 8
+static inline vi FN(ldsb)(const uint8_t *p) {
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p));
+}
+#else
+static inline vi FN(ldsb)(const uint8_t *p) { return (FN(ldb)(p) ^ 128) - 128; }
+#endif
+static inline vf FN(tof)(vi q) { return __builtin_convertvector(q, vf); }
+/* a broadcast; not (vf){} + a, which turns -0 into +0 */
+static inline vf FN(splat)(float a) { return a - (vf){}; }
+
+#if VW == 16
+#define FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+static inline float FN(half)(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+static inline vf FN(ldh)(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const void *)p)); }
+static inline float FN(hsum)(vf x) {
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    return x[0] + x[1];
+}
+#elif VW == 8
+#define FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float FN(half)(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+static inline vf FN(ldh)(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const void *)p)); }
+static inline float FN(hsum)(vf x) {
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5});
+    return x[0] + x[1];
+}
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+static inline float FN(half)(const uint8_t *p) { return half_sw(rd16(p)); }
+static inline vf FN(ldh)(const uint8_t *p) {
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = half_sw(rd16(p + 2 * i));
+    return v;
+}
+static inline float FN(hsum)(vf x) { return (x[0] + x[2]) + (x[1] + x[3]); }
+#endif
+#define ld FN(ld)
+#define st FN(st)
+#define ldb FN(ldb)
+#define tof FN(tof)
+#define splat FN(splat)
+#define half FN(half)
+
+/* ---- one row of K weights (K / block blocks) -> fp32, the reference's formulas ---- */
+
+static inline void FN(deq_q4_0)(const uint8_t *p, int64_t K, float *out) {
+    for (int64_t b = 0; b < K; b += 32, p += 18, out += 32) {
+        float d = half(p);
+        for (int c = 0; c < 16; c += VW) {
+            vi q = ldb(p + 2 + c);
+            st(out + c, d * (tof(q & 15) - 8.f));
+            st(out + 16 + c, d * (tof(q >> 4) - 8.f));
+        }
+    }
+}
+
+static inline void FN(deq_q4_1)(const uint8_t *p, int64_t K, float *out) {
+    for (int64_t b = 0; b < K; b += 32, p += 20, out += 32) {
+        vf vd = splat(half(p)), vm = splat(half(p + 2)); /* d * q is exact: fma */
+        for (int c = 0; c < 16; c += VW) {
+            vi q = ldb(p + 4 + c);
+            st(out + c, FMA(vd, tof(q & 15), vm));
+            st(out + 16 + c, FMA(vd, tof(q >> 4), vm));
+        }
+    }
+}
+
+/* Q5_0 and Q5_1: the fifth bit of element j is bit j of the 32-bit qh */
+static inline void FN(deq_q5)(const uint8_t *p, int64_t K, float *out, int has_min) {
+    const int stride = has_min ? 24 : 22;
+    for (int64_t b = 0; b < K; b += 32, p += stride, out += 32) {
+        float d = half(p);
+        vf vd = splat(d), vm = splat(has_min ? half(p + 2) : 0.f);
+        const uint8_t *h = p + (has_min ? 4 : 2), *qs = h + 4;
+        vi qh = (vi){} + (int32_t)rd32(h);
+        for (int c = 0; c < 16; c += VW) {
+            vi q = ldb(qs + c), j = FN(ldi)(IOTA + c);
+            vi lo = (q & 15) | (((qh >> j) & 1) << 4), hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            if (has_min) {
+                st(out + c, FMA(vd, tof(lo), vm)); /* d * q is exact */
+                st(out + 16 + c, FMA(vd, tof(hi), vm));
+            } else {
+                st(out + c, d * tof(lo - 16));
+                st(out + 16 + c, d * tof(hi - 16));
+            }
+        }
+    }
+}
+
+static inline void FN(deq_q8_0)(const uint8_t *p, int64_t K, float *out) {
+    for (int64_t b = 0; b < K; b += 32, p += 34, out += 32) {
+        float d = half(p);
+        for (int c = 0; c < 32; c += VW) st(out + c, tof(FN(ldsb)(p + 2 + c)) * d);
+    }
+}
+
+/* Q4_K and Q5_K: 8 sub-blocks of 32, each (d * sc) * q - dmin * mn; sub-block j's nibbles are
+ * the low (j even) or high (j odd) halves of bytes 32 * (j / 2) ..; Q5_K's fifth bit of
+ * element l of sub-block j is bit j of qh[l]. */
+static inline void FN(deq_qk)(const uint8_t *p, int64_t K, float *out, int five) {
+    const int stride = five ? 176 : 144;
+    for (int64_t b = 0; b < K; b += 256, p += stride, out += 256) {
+        float d = half(p), dmin = half(p + 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(p + 4, sc, mn);
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+        for (int j = 0; j < 8; j++) {
+            /* ds * q - dm as fma(ds, q, -dm): the product is exact, so one rounding either way */
+            vf vds = splat(d * (float)sc[j]), vdm = splat(-(dmin * (float)mn[j]));
+            const uint8_t *q = qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            for (int c = 0; c < 32; c += VW) {
+                vi v = (ldb(q + c) >> shift) & 15;
+                if (five) v |= ((ldb(qh + c) >> j) & 1) << 4;
+                st(out + 32 * j + c, FMA(vds, tof(v), vdm)); /* exact product */
+            }
+        }
+    }
+}
+
+/* Q6_K: halves of 128; in half h, element r takes its low 4 bits from ql[64 h + r % 64]
+ * (low nibble for r < 64, else high) and its top 2 from qh[32 h + r % 32] >> 2 (r / 32);
+ * (d * scales[e / 16]) * (q - 32). */
+static inline void FN(deq_q6_k)(const uint8_t *p, int64_t K, float *out) {
+    for (int64_t b = 0; b < K; b += 256, p += 210, out += 256) {
+        const uint8_t *ql = p, *qh = p + 128;
+        const int8_t *scales = (const int8_t *)(p + 192);
+        float d = half(p + 208);
+        for (int e = 0; e < 256; e += VW) {
+            int h = e / 128, r = e % 128;
+            vi lo = ldb(ql + 64 * h + r % 64);
+            lo = r < 64 ? lo & 15 : lo >> 4;
+            vi hi = (ldb(qh + 32 * h + r % 32) >> (2 * (r / 32))) & 3;
+            st(out + e, (d * (float)scales[e / 16]) * (tof(lo | (hi << 4)) - 32.f));
+        }
+    }
+}
+
+/* Q4G128: f32 d, f32 m, 64 bytes; byte j holds element j (low nibble) and j + 64 (high) */
+static inline void FN(deq_q4g128)(const uint8_t *p, int64_t K, float *out) {
+    for (int64_t b = 0; b < K; b += 128, p += 72, out += 128) {
+        float d = rdf(p), m = rdf(p + 4);
+        for (int c = 0; c < 64; c += VW) {
+            vi q = ldb(p + 8 + c);
+            st(out + c, d * tof(q & 15) + m);
+            st(out + 64 + c, d * tof(q >> 4) + m);
+        }
+    }
+}
+
+/* F16, BF16, I8: any K, so a vector body and a scalar tail */
+static inline void FN(deq_f16)(const uint8_t *p, int64_t K, float *out) {
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) st(out + k, FN(ldh)(p + 2 * k));
+    for (; k < K; k++) out[k] = half_sw(rd16(p + 2 * k));
+}
+
+static inline void FN(deq_bf16)(const uint8_t *p, int64_t K, float *out) {
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        st(out + k, (vf)(FN(ldw)(p + 2 * k) << 16));
+    }
+    for (uint32_t bits; k < K; k++) bits = (uint32_t)rd16(p + 2 * k) << 16, memcpy(out + k, &bits, 4);
+}
+
+static inline void FN(deq_i8)(const uint8_t *p, int64_t K, float scale, float *out) {
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) st(out + k, scale * tof(FN(ldsb)(p + k)));
+    for (; k < K; k++) out[k] = scale * (float)(int8_t)p[k];
+}
+
+static void FN(deq_row)(int qtype, const uint8_t *p, int64_t K, float scale, float *out) {
+    switch (qtype) {
+    case Q4_0: FN(deq_q4_0)(p, K, out); break;
+    case Q4_1: FN(deq_q4_1)(p, K, out); break;
+    case Q5_0: FN(deq_q5)(p, K, out, 0); break;
+    case Q5_1: FN(deq_q5)(p, K, out, 1); break;
+    case Q8_0: FN(deq_q8_0)(p, K, out); break;
+    case Q4_K: FN(deq_qk)(p, K, out, 0); break;
+    case Q5_K: FN(deq_qk)(p, K, out, 1); break;
+    case Q6_K: FN(deq_q6_k)(p, K, out); break;
+    case Q4G128: FN(deq_q4g128)(p, K, out); break;
+    case F16: FN(deq_f16)(p, K, out); break;
+    case BF16: FN(deq_bf16)(p, K, out); break;
+    case I8: FN(deq_i8)(p, K, scale, out); break;
+    }
+}
+
+/* Rows ids[i] (i when ids is NULL) of the weight, i < n -> out (n, K) */
+static void FN(gather)(const uint8_t *w, int64_t row_bytes, int64_t K, int qtype,
+                       const float *scale, const int64_t *ids, int64_t n, float *out,
+                       int threads) {
+    int nt = n * K < (1 << 16) ? 1 : threads;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = ids ? ids[i] : i;
+        FN(deq_row)(qtype, w + row * row_bytes, K, scale ? scale[row] : 0.f, out + i * K);
+    }
+}
+
+/* s[m][r] = x[m, :K] . w[r, :K] for m < mr (a compile-time constant once inlined), r < NR:
+ * w's NR rows (stride kp) stream once per k step against mr rows of x. The accumulators are
+ * named variables (an array of them stays in memory with GCC 12). */
+#define ACC(m) vf a##m##0 = {}, a##m##1 = {}, a##m##2 = {}, a##m##3 = {}
+#define STEP(m)                                                                             \
+    if (mr > m) {                                                                           \
+        vf xv = ld(x + m * ldx + k);                                                        \
+        a##m##0 = FMA(w0, xv, a##m##0), a##m##1 = FMA(w1, xv, a##m##1);                    \
+        a##m##2 = FMA(w2, xv, a##m##2), a##m##3 = FMA(w3, xv, a##m##3);                    \
+    }
+#define SUMS(m)                                                                             \
+    if (mr > m) {                                                                           \
+        s[m][0] = FN(hsum)(a##m##0), s[m][1] = FN(hsum)(a##m##1);                           \
+        s[m][2] = FN(hsum)(a##m##2), s[m][3] = FN(hsum)(a##m##3);                           \
+    }
+static inline __attribute__((always_inline)) void FN(tile)(
+    const int mr, const float *x, int64_t ldx, int64_t K, const float *w, int64_t kp,
+    float s[MR][NR]) {
+    ACC(0); ACC(1); ACC(2); ACC(3);
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf w0 = ld(w + k), w1 = ld(w + kp + k), w2 = ld(w + 2 * kp + k), w3 = ld(w + 3 * kp + k);
+        STEP(0) STEP(1) STEP(2) STEP(3)
+    }
+    SUMS(0) SUMS(1) SUMS(2) SUMS(3)
+    for (int m = 0; m < mr; m++)
+        for (int r = 0; r < NR; r++)
+            for (int64_t j = k; j < K; j++) s[m][r] += w[r * kp + j] * x[m * ldx + j];
+}
+#undef ACC
+#undef STEP
+#undef SUMS
+
+/* out[:, n0 .. n0 + nr] = x . panel^T (+ bias) over all M rows of x */
+static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const float *w,
+                      int64_t kp, int nr, const float *bias, float *out, int64_t ldo) {
+    float s[MR][NR];
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        const float *xm = x + m0 * ldx;
+        switch (mr) {
+#if MR == 4
+        case 4: FN(tile)(4, xm, ldx, K, w, kp, s); break;
+        case 3: FN(tile)(3, xm, ldx, K, w, kp, s); break;
+#endif
+        case 2: FN(tile)(2, xm, ldx, K, w, kp, s); break;
+        default: FN(tile)(1, xm, ldx, K, w, kp, s); break;
+        }
+        for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++)
+                out[(m0 + m) * ldo + r] = bias ? s[m][r] + bias[r] : s[m][r];
+    }
+}
+
+static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
+                       int64_t N, int64_t row_bytes, int qtype, const float *scale,
+                       const float *bias, float *out, int64_t ldo, int threads) {
+    const int64_t kp = (K + 15) / 16 * 16, panels = (N + NR - 1) / NR;
+    /* a few us of work a thread at least; dynamic chunks, several a thread, so the others
+     * take the share of a thread another process preempts (the join still waits for it to
+     * check in: on a 2-core machine at load 10, a 100 us call then takes 0.2-8 ms) */
+    int64_t work = N * K * (M + 4) / (1 << 17) + 1;
+    int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
+    int64_t chunk = panels / (8 * nt) > 1 ? panels / (8 * nt) : 1;
+    int64_t chunks = (panels + chunk - 1) / chunk;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *buf = aligned_alloc(64, NR * kp * sizeof(float));
+        if (!buf) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < chunks; c++) {
+            if (!buf) continue;
+            for (int64_t p = c * chunk; p < (c + 1) * chunk && p < panels; p++) {
+                int64_t n0 = p * NR;
+                int nr = N - n0 < NR ? (int)(N - n0) : NR;
+                for (int r = 0; r < NR; r++) {
+                    if (r < nr)
+                        FN(deq_row)(qtype, w + (n0 + r) * row_bytes, K,
+                                    scale ? scale[n0 + r] : 0.f, buf + r * kp);
+                    else
+                        memset(buf + r * kp, 0, K * sizeof(float));
+                }
+                FN(panel)(x, M, ldx, K, buf, kp, nr, bias ? bias + n0 : NULL, out + n0, ldo);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
+#undef vf
+#undef vi
+#undef ld
+#undef st
+#undef ldb
+#undef tof
+#undef splat
+#undef half
+#undef FMA
+#endif

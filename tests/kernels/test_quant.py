@@ -1,0 +1,232 @@
+"""Quantized weights: the reference (`radixflow.kernels.quant`) against gguf's own numpy
+dequantize, bit for bit, and the native kernels (`radixflow.kernels.cpu.quant`) against the
+reference on every ISA path the machine has, for every type, over decode and prefill row counts.
+
+Where the machine has a C compiler the kernels must build: a silently failed build would leave
+the native tests skipped, not passing."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixflow.kernels import quant
+from radixflow.kernels.cpu import quant as native_quant
+
+GGUF_TYPES = [
+    quant.F16, quant.BF16, quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0,
+    quant.Q4_K, quant.Q5_K, quant.Q6_K,
+]  # fmt: skip
+ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128]
+LIB = native_quant.library()
+BEST = native_quant.isa()  # before any test lowers it
+needs_lib = pytest.mark.skipif(LIB is None, reason="native quant kernels unavailable")
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
+    """A (n, k) weight of `qtype`: quantized from Gaussian values where `quantize` makes the
+    type; K-quants as random bytes with small finite fp16 d and dmin (every scale, min and
+    quant bit pattern occurs); Q4G128 from random AWQ-style groups."""
+    gen = torch.Generator().manual_seed(seed)
+    if qtype in (quant.Q4_K, quant.Q5_K, quant.Q6_K):
+        size, type_size = quant.BLOCK[qtype]
+        blocks = torch.randint(0, 256, (n * k // size, type_size), dtype=torch.uint8, generator=gen)
+
+        def halves() -> torch.Tensor:  # fp16 d in [-0.01, 0.01): no inf or nan
+            d = (torch.rand(len(blocks), generator=gen) - 0.5) * 0.02
+            return d.to(torch.float16).view(torch.uint8).view(-1, 2)
+
+        for at in (208,) if qtype == quant.Q6_K else (0, 2):
+            blocks[:, at : at + 2] = halves()
+        return quant.QuantWeight(qtype, blocks.reshape(n, -1).contiguous(), (n, k))
+    if qtype == quant.Q4G128:
+        q = torch.randint(0, 16, (n, k), generator=gen)
+        scales = (torch.rand((n, k // 128), generator=gen) * 0.02).half().float()
+        zeros = torch.randint(0, 16, (n, k // 128), generator=gen).float()
+        return quant.from_groups(q, scales, zeros)
+    return quant.quantize(torch.randn((n, k), generator=gen), qtype)
+
+
+def k_for(qtype: int, blocks: int = 3) -> int:
+    """An in_features the type allows: `blocks` blocks, or 77 (not a multiple of 16)"""
+    size = quant.BLOCK[qtype][0]
+    return 77 if size == 1 else blocks * max(size, 64)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# ---- the reference ----
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=quant.NAMES.get)
+def test_dequantize_is_gguf_bit_for_bit(qtype: int) -> None:
+    w = random_weight(qtype, 19, k_for(qtype, 4))
+    expected = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType(qtype))
+    got = quant.dequantize(w)
+    assert got.shape == w.shape and got.dtype == torch.float32
+    assert torch.isfinite(got).all()
+    assert torch.equal(bits(got), bits(torch.from_numpy(np.ascontiguousarray(expected))))
+
+
+@pytest.mark.parametrize("qtype", [*quant.GGUF_QUANTIZE, quant.I8, quant.F16, quant.BF16])
+def test_quantize_round_trips_within_a_step(qtype: int) -> None:
+    weight = torch.randn((9, 128), generator=torch.Generator().manual_seed(1))
+    w = quant.quantize(weight, qtype)
+    assert w.data.shape == (9, w.row_bytes) and w.nbytes < weight.numel() * 4
+    step = {quant.Q4_0: 0.5, quant.Q4_1: 0.5, quant.Q5_0: 0.25, quant.Q5_1: 0.25}.get(qtype, 0.05)
+    err = (quant.dequantize(w) - weight).abs().max()
+    assert 0 < err < step * weight.abs().max(), f"{quant.NAMES[qtype]}: {err=}"
+
+
+def test_i8_is_per_row_absmax() -> None:
+    weight = torch.tensor([[1.0, -2.54, 0.0], [0.0, 0.0, 0.0]])
+    w = quant.quantize(weight, quant.I8)
+    assert torch.equal(w.scale, torch.tensor([2.54, 0.0]) / 127)
+    assert w.data.view(torch.int8).tolist() == [[50, -127, 0], [0, 0, 0]]
+
+
+def test_from_groups_is_q_minus_z_times_s() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (5, 256), generator=gen)
+    scales = torch.randn((5, 2), generator=gen).half().float()  # AWQ/GPTQ scales are fp16
+    zeros = torch.randint(0, 16, (5, 2), generator=gen).float()
+    w = quant.from_groups(q, scales, zeros)
+    expected = (q.float() - zeros.repeat_interleave(128, dim=1)) * scales.repeat_interleave(
+        128, dim=1
+    )
+    assert w.qtype == quant.Q4G128 and w.data.shape == (5, 144)
+    assert torch.equal(quant.dequantize(w), expected)  # equal values: q == z gives +0 for -0
+
+
+def test_linear_and_embedding_use_the_dequantized_weight() -> None:
+    w = random_weight(quant.Q4_1, 6, 64)
+    x, bias = torch.randn(3, 64), torch.randn(6)
+    dense = quant.dequantize(w)
+    torch.testing.assert_close(quant.linear(x, w, bias), x @ dense.T + bias)
+    assert torch.equal(quant.embedding(torch.tensor([5, 0, 5]), w), dense[[5, 0, 5]])
+
+
+# ---- the native kernels against it ----
+
+
+def test_kernels_build_where_a_compiler_exists() -> None:
+    if shutil.which(os.environ.get("CC", "cc")) and os.environ.get("RADIXFLOW_NATIVE") != "0":
+        assert LIB is not None, "kernels/cpu/quant.c failed to build: see the log warning"
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each ISA path the CPU has (a faster one than it has is skipped), restored after."""
+    if LIB is None:
+        pytest.skip("native quant kernels unavailable")
+    before = native_quant.isa()
+    if native_quant.set_isa(request.param) != request.param:
+        native_quant.set_isa(before)
+        pytest.skip(f"no {request.param} on this CPU")
+    yield request.param
+    native_quant.set_isa(before)
+
+
+def assert_near(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 accumulation-order rounding: 1e-4 of the largest value, never more"""
+    err = (got - expected).abs().max().item()
+    assert err <= 1e-4 * expected.abs().max().item(), f"{err=}"
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=quant.NAMES.get)
+def test_native_matches_reference(isa: str, qtype: int) -> None:
+    n = 37  # panels of 4 output rows: a partial last one
+    w = random_weight(qtype, n, k_for(qtype), seed=qtype)
+    k = w.shape[1]
+    dense = quant.dequantize(w)
+    assert torch.equal(bits(native_quant.dequantize(w)), bits(dense)), "dequantize"
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 3, 4, 7, 8, 16, 64, 200):
+        x = torch.randn((m, k), generator=gen)
+        expected = quant.linear(x, w)
+        assert_near(native_quant.linear(x, w), expected)
+        assert_near(native_quant.linear(x, w, bias), expected + bias)
+    ids = torch.tensor([n - 1, 0, 5, 5])
+    assert torch.equal(bits(native_quant.embedding(ids, w)), bits(quant.embedding(ids, w)))
+
+
+def test_native_strides_and_out(isa: str) -> None:
+    """x rows at a stride, the result written into columns of a wider out; threads split N."""
+    w = random_weight(quant.Q5_K, 603, 512)
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn((5, 700), generator=gen)
+    x = wide[:, 100:612]  # (5, 512), row stride 700
+    out = torch.full((5, 650), float("nan"))
+    result = native_quant.linear(x, w, out=out[:, 20:623])
+    assert result is not None and result.data_ptr() == out[:, 20:].data_ptr()
+    assert_near(out[:, 20:623], quant.linear(x, w))
+    assert out[:, :20].isnan().all() and out[:, 623:].isnan().all(), "wrote outside out"
+
+
+@needs_lib
+def test_native_refuses_what_it_cannot_take() -> None:
+    w = random_weight(quant.Q8_0, 4, 64)
+    assert native_quant.linear(torch.randn(2, 32), w) is None  # K mismatch
+    assert native_quant.linear(torch.randn(2, 64, dtype=torch.float64), w) is None
+    assert native_quant.linear(torch.randn(64, 2).T, w) is None  # inner stride 2
+    with pytest.raises(IndexError):
+        native_quant.embedding(torch.tensor([4]), w)
+    x, out = torch.randn(1, 64), torch.empty(1, 4)
+    # qtype 4 (ggml's removed Q4_2) is unknown
+    status = LIB.rf_qlinear(
+        x.data_ptr(), 1, 64, 64, w.data.data_ptr(), 4, w.row_bytes, 4, None, None,
+        out.data_ptr(), 4, 1,
+    )  # fmt: skip
+    assert status == -1
+    # K = 48 is not a multiple of Q8_0's 32
+    status = LIB.rf_qlinear(
+        x.data_ptr(), 1, 64, 48, w.data.data_ptr(), 4, w.row_bytes, quant.Q8_0, None, None,
+        out.data_ptr(), 4, 1,
+    )  # fmt: skip
+    assert status == -1
+
+
+@needs_lib
+def test_address_is_the_callable_entry_point() -> None:
+    """What a C++ caller gets: rf_qlinear by address, same result as the wrapper."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    signature = ctypes.CFUNCTYPE(
+        ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64,
+        ctypes.c_int,
+    )  # fmt: skip
+    qlinear = signature(native_quant.address("rf_qlinear"))
+    w = random_weight(quant.I8, 10, 77)
+    x, out = torch.randn(3, 77), torch.empty(3, 10)
+    status = qlinear(
+        x.data_ptr(), 3, 77, 77, w.data.data_ptr(), 10, w.row_bytes, quant.I8,
+        w.scale.data_ptr(), None, out.data_ptr(), 10, 2,
+    )  # fmt: skip
+    assert status == 0
+    assert torch.equal(out, native_quant.linear(x, w))
+    assert native_quant.address("rf_nothing") is None
+
+
+@needs_lib
+def test_isa_environment_variable_lowers_the_path() -> None:
+    """Read by the library itself (a C++ caller gets it too): a fresh process loads it bare."""
+    code = f"import ctypes; print(ctypes.CDLL({LIB._name!r}).rf_qset_isa(-1))"
+    for name, level in (("scalar", 0), ("avx2", 1)):
+        env = {**os.environ, "RADIXFLOW_QUANT_ISA": name}
+        result = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert result.stdout.strip() == str(min(level, native_quant.ISAS.index(BEST))), (
+            result.stderr[-2000:]
+        )
