@@ -23,6 +23,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")  # SGLang's spellings; its fp8/fp4 are not built
 QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
@@ -65,7 +66,17 @@ class ServerConfig:
     attention_backend: str = _knob("auto", "auto (Triton on CUDA), torch or triton")
     device: str = _knob("auto", "auto, cpu or cuda")
     dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    num_threads: int = _knob(0, "torch intra-op threads; 0 = torch's default")
+    kv_cache_dtype: str = _knob(
+        "auto",
+        "KV cache storage: auto (the model's dtype), bf16 or bfloat16 (half an fp32 model's "
+        "KV memory; attention still computes in fp32)",
+    )
+    num_threads: str = _knob(
+        "auto",
+        "compute threads: a number (0 = torch's default), or auto: all cores, one fewer for "
+        "each core other processes keep busy, re-read every second (OpenMP barriers stall on "
+        "a descheduled thread, so a busy neighbour otherwise costs 4-10x)",
+    )
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_backend: str = _knob(
         "llguidance",
@@ -168,7 +179,12 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "num_threads", str(self.num_threads).strip().lower())
         checks = [
+            (
+                self.num_threads == "auto" or self.num_threads.isdigit(),
+                f"num_threads must be auto or a number >= 0, not {self.num_threads!r}",
+            ),
             (self.page_size >= 1, "page_size must be >= 1"),
             (self.max_total_tokens >= 2 * self.page_size, "max_total_tokens too small"),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
@@ -201,6 +217,11 @@ class ServerConfig:
                 "speculative_disable_by_batch_size must be >= 0",
             ),
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
+            (
+                self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: choose one of "
+                f"{KV_CACHE_DTYPES} (SGLang's fp8_e4m3, fp8_e5m2 and fp4_e2m1 are not built)",
+            ),
             (
                 self.quantization in QUANTIZATIONS,
                 f"quantization must be one of {QUANTIZATIONS}",
@@ -257,6 +278,12 @@ def config_from_kwargs(**kwargs: Any) -> ServerConfig:
     if unknown:
         raise ValueError(f"unknown config option(s): {', '.join(unknown)}")
     return ServerConfig(**kwargs)
+
+
+def fixed_threads(config: ServerConfig) -> int:
+    """--num-threads as a fixed count (0: torch's default, and for auto: the governor then
+    follows the free cores, runtime/model_executor/threads.py)."""
+    return 0 if config.num_threads == "auto" else int(config.num_threads)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.config import ServerConfig, config_from_kwargs, fixed_threads
 from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
@@ -37,6 +37,7 @@ from radixflow.runtime.model_executor.model_runner import (
     pick_device,
     pick_dtype,
 )
+from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models.layers import CausalLM
 from radixflow.runtime.models.loader import resolve_model_dir
 from radixflow.runtime.protocol.limits import RequestLimits
@@ -71,8 +72,8 @@ class LoadedModel:
 
 def load(config: ServerConfig) -> LoadedModel:
     """Resolve (converting once) and load the model and tokenizer."""
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    if fixed_threads(config):
+        torch.set_num_threads(fixed_threads(config))
     model_dir = resolve_model_dir(config.model_path, config.revision)
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
@@ -82,6 +83,14 @@ def load(config: ServerConfig) -> LoadedModel:
     device = pick_device(config.device)
     model = load_model(model_dir, config, device, pick_dtype(config.dtype, device))
     return LoadedModel(model, tokenizer, model_dir, hf_config)
+
+
+def governor(config: ServerConfig, device: Any, tensor_parallel: bool) -> ThreadGovernor | None:
+    """`--num-threads auto` on a CPU without tensor parallelism: the thread count follows
+    the cores other processes leave free, up to the count at start."""
+    if config.num_threads != "auto" or getattr(device, "type", "") != "cpu" or tensor_parallel:
+        return None
+    return ThreadGovernor(torch.get_num_threads())
 
 
 def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> ModelBundle:
@@ -113,6 +122,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         cuda_graph_max_bs=graph_max_bs(config, model),
         max_kv_len=context_len,
         prefault=not config.disable_kv_prefault,
+        governor=governor(config, device, loaded.tp is not None),
     )
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)

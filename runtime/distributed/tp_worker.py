@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config import ServerConfig, fixed_threads
 from radixflow.runtime.distributed.tensor_parallel import (
     TensorParallel,
     end_processes,
@@ -60,8 +60,8 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
     """One rank's life: join, load, size the pool, follow plans. Returns the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     _watch_parent(parent_pid)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    if fixed_threads(config):
+        torch.set_num_threads(fixed_threads(config))
     device = rank_device(config, rank)
     tp = TensorParallel.join(rank, config.tp_size, init_addr, config.dist_timeout, device)
     try:

@@ -22,6 +22,7 @@ from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
 from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
+from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.layers import CausalLM, ModelConfig, Rope
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
@@ -207,8 +208,10 @@ class ModelRunner:
         max_kv_len: int = 0,
         graph_backend: str = "cuda",
         prefault: bool = False,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         self.model = model
+        self.governor = governor  # --num-threads auto: threads follow the free cores
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         c = model.config
@@ -236,6 +239,8 @@ class ModelRunner:
             )  # fmt: skip
 
     def forward(self, plan: BatchPlan) -> StepResult:
+        if self.governor is not None:
+            self.governor.tick()
         if len(plan.copy_src):
             src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
             self.k_caches[:, dst] = self.k_caches[:, src]

@@ -1,0 +1,96 @@
+"""`--num-threads auto`: as many compute threads as the machine has cores free, re-read while
+serving.
+
+Every matmul, norm and attention call of a step splits its work over the OpenMP threads and
+ends at a barrier. When another program takes a core, one of our threads is descheduled for a
+whole time slice (milliseconds) while the rest wait at that barrier, for each of the hundreds
+of calls of a step: with 2 threads on 2 cores and one busy neighbour, throughput fell to a
+tenth (issue 35; llama.cpp collapses the same way). With one thread fewer there is no one to
+wait for, and the step runs at the speed of the cores actually left to it.
+
+`ThreadGovernor.tick()`, called by the model runner before each step (on the thread that
+runs the model, since OpenMP's thread count is a per-thread setting), reads the machine's
+busy time (/proc/stat) and this process's own (/proc/self/stat) about once a second; what
+other processes used is the difference. The thread count follows the cores they leave free,
+smoothed so one burst does not flip it, never below one nor above the configured maximum.
+On a quiet machine it stays at the maximum (the reading costs a few microseconds a second).
+Where /proc cannot be read it stays at the maximum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+INTERVAL_S = 1.0  # seconds between readings
+SMOOTHING = 0.5  # weight of the newest reading of the neighbours' load
+SLACK = 0.35  # a core counts as free when others use less than 1 - SLACK of it
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (not guests)
+    return total - idle, total
+
+
+def _own_jiffies() -> int:
+    """Clock ticks this process (all its threads) has run, user + system."""
+    stat = Path("/proc/self/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the file)
+
+
+class ThreadGovernor:
+    """Keeps torch's (and so OpenMP's and the native kernels') thread count at the cores
+    other processes leave free, between 1 and `max_threads`."""
+
+    def __init__(self, max_threads: int, interval_s: float = INTERVAL_S) -> None:
+        self.max_threads = max(1, max_threads)
+        self.interval_s = interval_s
+        self.cores = os.cpu_count() or 1
+        self.others = 0.0  # cores other processes use, smoothed
+        self.threads = self.max_threads
+        self._last: tuple[float, int, int, int] | None = None
+        self.changes = 0
+        try:
+            self._last = (time.monotonic(), *_machine_jiffies(), _own_jiffies())
+        except (OSError, ValueError, IndexError):
+            log.info("--num-threads auto: /proc unreadable, keeping %d threads", self.max_threads)
+
+    def tick(self, now: float | None = None) -> int:
+        """Re-read the load when a reading is due, set the thread count; -> the count."""
+        if self._last is None:
+            return self.threads
+        now = time.monotonic() if now is None else now
+        if now - self._last[0] < self.interval_s:
+            return self.threads
+        try:
+            busy, total, own = *_machine_jiffies(), _own_jiffies()
+        except (OSError, ValueError, IndexError):
+            return self.threads
+        _, last_busy, last_total, last_own = self._last
+        self._last = (now, busy, total, own)
+        elapsed = total - last_total
+        if elapsed <= 0:
+            return self.threads
+        others = max(0.0, (busy - last_busy) - (own - last_own)) / elapsed * self.cores
+        self.others = SMOOTHING * others + (1 - SMOOTHING) * self.others
+        free = self.cores - self.others
+        want = max(1, min(self.max_threads, int(free + SLACK)))
+        if want != self.threads:
+            log.info(
+                "other processes use %.1f of %d cores: %d compute threads (was %d)",
+                self.others, self.cores, want, self.threads,
+            )  # fmt: skip
+            self.threads = want
+            self.changes += 1
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads

@@ -1,0 +1,75 @@
+"""--num-threads auto: the governor follows the cores other processes leave free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixflow.runtime.config import ServerConfig, fixed_threads
+from radixflow.runtime.model_executor import threads
+
+
+class FakeProc:
+    """/proc readings: `others` and `ours` cores busy over each interval of 1 s (100 ticks
+    a core), on a 2-core machine."""
+
+    def __init__(self) -> None:
+        self.busy = self.total = self.own = 0
+        self.others, self.ours = 0.0, 2.0
+
+    def advance(self) -> None:
+        self.busy += int(100 * (self.others + self.ours))
+        self.own += int(100 * self.ours)
+        self.total += 200
+
+
+@pytest.fixture
+def proc(monkeypatch):
+    fake = FakeProc()
+    monkeypatch.setattr(threads, "_machine_jiffies", lambda: (fake.busy, fake.total))
+    monkeypatch.setattr(threads, "_own_jiffies", lambda: fake.own)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    before = torch.get_num_threads()
+    yield fake
+    torch.set_num_threads(before)
+
+
+def run(governor, proc, others: float, ours: float, seconds: int) -> list[int]:
+    counts = []
+    for _ in range(seconds):
+        proc.others, proc.ours = others, ours
+        proc.advance()
+        governor.now += 1.0
+        counts.append(governor.tick(governor.now))
+    return counts
+
+
+def test_a_busy_neighbour_takes_a_thread_and_gives_it_back(proc):
+    governor = threads.ThreadGovernor(2)
+    governor.now = governor._last[0]
+    assert run(governor, proc, others=0.0, ours=2.0, seconds=3) == [2, 2, 2]  # quiet: all
+    busy = run(governor, proc, others=1.0, ours=1.0, seconds=4)  # a hog on one core
+    assert busy[-1] == 1 and torch.get_num_threads() == 1
+    quiet = run(governor, proc, others=0.0, ours=1.0, seconds=4)  # the hog ends
+    assert quiet[-1] == 2 and torch.get_num_threads() == 2
+    assert governor.changes == 2
+
+
+def test_our_own_busy_threads_are_not_mistaken_for_a_neighbour(proc):
+    governor = threads.ThreadGovernor(2)
+    governor.now = governor._last[0]
+    assert run(governor, proc, others=0.1, ours=1.9, seconds=6) == [2] * 6
+
+
+def test_between_readings_nothing_is_read(proc):
+    governor = threads.ThreadGovernor(2)
+    proc.others, proc.ours = 2.0, 0.0
+    proc.advance()
+    assert governor.tick(governor._last[0] + 0.2) == 2  # not due yet: the count stands
+
+
+def test_num_threads_accepts_auto_or_a_count():
+    assert ServerConfig().num_threads == "auto" and fixed_threads(ServerConfig()) == 0
+    assert fixed_threads(ServerConfig(num_threads=3)) == 3
+    with pytest.raises(ValueError, match="num_threads"):
+        ServerConfig(num_threads="many")
