@@ -6,6 +6,8 @@ file; decode speed at 1 and N streams, resident memory and load time.
     python -m radixflow.bench.quantized memory [--model smollm2]
     python -m radixflow.bench.quantized write-big DIR   # the 7B-class synthetic GGUFs
 
+- speed: `--conditions quiet,hog` runs each round twice, the second time beside one busy
+  process, to show how each system degrades when a core is taken (issue 35).
 - speed: each system decodes `--new-tokens` greedy tokens (EOS ignored) for 1 chat prompt,
   then N distinct ones at once; systems interleaved round by round, `--repeats` rounds, the
   median reported with the ratio to llama.cpp. llama.cpp runs in its own venv
@@ -50,26 +52,54 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _systems(model: str, threads: int) -> dict[str, Any]:
-    """name -> a callable(calls) that runs one round and returns the outputs."""
+SYSTEMS = ("radixflow", "radixflow-fp32", "radixflow-fixed", "llama.cpp")
+
+
+def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> dict[str, Any]:
+    """name -> a System: radixflow (the GGUF's blocks, --num-threads auto), radixflow-fp32
+    (--dequantize-weights), radixflow-fixed (blocks, a fixed thread count: the behaviour
+    before --num-threads auto), llama.cpp (its worker, same thread count)."""
     from radixflow.bench import baselines  # noqa: PLC0415 (torch: only when the bench runs)
     from radixflow.bench.engine import RadixflowSystem  # noqa: PLC0415 (torch: only when the bench runs)
     from radixflow.runtime import Engine  # noqa: PLC0415 (torch: only when the bench runs)
     from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf  # noqa: PLC0415 (torch: only when the bench runs)
 
     gguf = builtin_gguf(model) if model in BUILTIN_MODELS else model
-    pool = {"max_total_tokens": 8192, "max_running_requests": 64}
-    systems: dict[str, System] = {
-        "radixflow": RadixflowSystem("radixflow", Engine(model_path=model, **pool), owned=True),
+    pool = {"max_total_tokens": pool_tokens, "max_running_requests": 64}
+    options = {
+        "radixflow": {},
+        "radixflow-fp32": {"dequantize_weights": True},
+        "radixflow-fixed": {"num_threads": threads},
     }
-    if os.environ.get("BENCH_FP32", "1") != "0":
-        fp32 = Engine(model_path=model, dequantize_weights=True, **pool)
-        systems["radixflow-fp32"] = RadixflowSystem("radixflow-fp32", fp32, owned=True)
-    python = os.environ.get("BENCH_LLAMA_CPP_PYTHON")
-    if python:
-        args = {"model_path": str(gguf), "n_ctx": 8192, "threads": threads}
-        systems["llama.cpp"] = baselines.WorkerSystem("llama.cpp", python, args)
+    systems: dict[str, System] = {}
+    for name in names:
+        if name in options:
+            engine = Engine(model_path=model, **pool, **options[name])
+            systems[name] = RadixflowSystem(name, engine, owned=True)
+        elif name == "llama.cpp" and os.environ.get("BENCH_LLAMA_CPP_PYTHON"):
+            args = {"model_path": str(gguf), "n_ctx": pool_tokens, "threads": threads}
+            python = os.environ["BENCH_LLAMA_CPP_PYTHON"]
+            systems[name] = baselines.WorkerSystem("llama.cpp", python, args)
+        else:
+            print(f"skipped {name}: unknown, or BENCH_LLAMA_CPP_PYTHON unset", flush=True)
     return systems
+
+
+class Hog:
+    """One busy process (`while True: pass`) for the `hog` condition, stopped at exit."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def set(self, on: bool) -> None:
+        if on and self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(2.0)  # the governor's readings see it before the timed round
+        elif not on and self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            time.sleep(2.0)
 
 
 def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -84,40 +114,71 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     threads = torch.get_num_threads()
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     ids = [tuple(tokenizer.encode(chat(p), add_special_tokens=False)) for p in PROMPTS]
-    systems = _systems(args.model, threads)
+    systems = _systems(args.model, threads, args.systems.split(","), args.pool)
+    rss = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS"))
+    print(
+        json.dumps(
+            {
+                "bench_process_rss_mib": round(rss / 1024),
+                "cpu": _cpu(),
+                "load_average": os.getloadavg(),
+            }
+        ),
+        flush=True,
+    )
+    conditions = args.conditions.split(",")
+    hog = Hog()
     rows = []
     try:
         for streams in [int(s) for s in args.streams.split(",")]:
             calls = [Call(ids[i % len(ids)], args.new_tokens) for i in range(streams)]
-            times: dict[str, list[float]] = {name: [] for name in systems}
+            times: dict[tuple[str, str], list[float]] = {
+                (c, name): [] for c in conditions for name in systems
+            }
             outputs: dict[str, Any] = {}
             for round_ in range(args.repeats + 1):  # round 0 warms every system up
-                for name, system in systems.items():
-                    system.start_workload()
-                    start = time.perf_counter()
-                    result = system.run_round(calls)
-                    elapsed = time.perf_counter() - start
-                    if round_:
-                        times[name].append(elapsed)
-                    outputs[name] = result.outputs
-            base = statistics.median(times["llama.cpp"]) if "llama.cpp" in times else None
-            for name, t in times.items():
+                for condition in conditions:
+                    hog.set(condition == "hog" and round_ > 0)
+                    for name, system in systems.items():
+                        system.start_workload()
+                        start = time.perf_counter()
+                        result = system.run_round(calls)
+                        elapsed = time.perf_counter() - start
+                        if round_:
+                            times[condition, name].append(elapsed)
+                        outputs[name] = result.outputs
+                hog.set(False)
+            first = next(iter(systems))
+            for (condition, name), t in times.items():
                 median = statistics.median(t)
                 row = {
                     "streams": streams,
+                    "condition": condition,
                     "system": name,
                     "tokens_per_s": round(streams * args.new_tokens / median, 1),
                     "runs_s": [round(x, 3) for x in t],
-                    "same_output_as_radixflow": outputs[name] == outputs["radixflow"],
+                    f"same_output_as_{first}": outputs[name] == outputs[first],
                 }
+                base = times.get((condition, "llama.cpp"))
                 if base:
-                    row["vs_llama.cpp"] = round(base / median, 2)
+                    row["vs_llama.cpp"] = round(statistics.median(base) / median, 2)
+                quiet = times.get(("quiet", name))
+                if condition != "quiet" and quiet:
+                    row["share_of_quiet"] = round(statistics.median(quiet) / median, 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
+        hog.set(False)
         for system in systems.values():
             system.close()
     return rows
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 MEMORY_CHILD = """
@@ -257,9 +318,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--new-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--systems", default="radixflow,radixflow-fp32,llama.cpp")
+    s.add_argument("--pool", type=int, default=8192, help="KV tokens (llama.cpp: n_ctx)")
+    s.add_argument("--conditions", default="quiet", help="quiet and/or hog (one busy process)")
     m = sub.add_parser("memory")
     m.add_argument("--model", default="smollm2")
     m.add_argument("--pool", type=int, default=2048)
+    m.add_argument("--variants", default="quantized,fp32")
     w = sub.add_parser("write-big")
     w.add_argument("dir", type=Path)
     w.add_argument("--mix", default="q4_0,q4_k_m")

@@ -210,7 +210,16 @@ def test_the_engine_and_dsl_rows_come_from_one_definition() -> None:
                 assert all("#" in text for text in backend.generated + backend.scored)
 
 
-STUDIES = ("engine_features", "kernels", "router", "server", "speculative", "tp_step")
+STUDIES = (
+    "engine_features",
+    "grammar_backends",
+    "kernels",
+    "quantized",
+    "router",
+    "server",
+    "speculative",
+    "tp_step",
+)
 
 
 @pytest.mark.parametrize("study", STUDIES)

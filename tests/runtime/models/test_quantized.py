@@ -110,3 +110,27 @@ def test_the_reference_path_is_plain_fp32(reference):
     model = reference._loaded.model
     assert type(model.layers[0].qkv_proj) is torch.nn.Linear
     assert Path(reference.model_info["model_path"], "model.safetensors").is_file()
+
+
+def test_single_streams_take_the_compiled_decode_loop(engine):
+    """The compiled loop (kernels/cpu/decode_loop.cpp) calls the quantized kernel by its
+    address; its replies are held to the reference above. Here: it is built and taken."""
+    model = engine._loaded.model
+    loop = model.decode_loop
+    assert loop is not None, "the decode loop was not built for the quantized model"
+    taken: list[bool] = []
+
+    class Counting:
+        def run(self, *args):
+            result = loop.run(*args)
+            taken.append(result is not None)
+            return result
+
+    model.decode_loop = Counting()
+    try:
+        engine.generate(
+            chat(CHAT_PROMPTS[0]), sampling_params={"max_new_tokens": 4, "temperature": 0}
+        )
+    finally:
+        model.decode_loop = loop
+    assert taken and all(taken), taken
