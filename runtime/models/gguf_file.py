@@ -22,6 +22,8 @@ not the 540 MB of its fp32 form, and a 4.4 GB 7B file fits a 24 GiB machine.
 from __future__ import annotations
 
 import logging
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +53,104 @@ LAYER_MODULES = (
     "post_feedforward_layernorm",
 )
 Weight = quant.QuantWeight | torch.Tensor
+# llama.cpp's precomputed rope factors (Llama 3's `rope_freqs`, Phi-3's LongRoPE pair): the
+# rope is built from the config, as transformers' GGUF loader does, so they are not weights
+ROPE_TABLES = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
 
-def architecture(reader: gguf.GGUFReader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: the innermost (row length) first
+    qtype: int
+    offset: int  # bytes from the start of the file
+
+
+class Layout:
+    """A GGUF file's metadata and tensor table, read in one pass with `struct`.
+
+    gguf's GGUFReader builds numpy views for every metadata value, about 500,000 of them for a
+    49,152-token vocabulary (seconds per start); the weights need only the architecture and
+    the tensor table, so the tokenizer's arrays are skipped over."""
+
+    def __init__(self, path: Path) -> None:
+        with path.open("rb") as f:
+            self._data, self._pos, self._base, self._file = f.read(1 << 20), 0, 0, f
+            magic, version = self._read("<4sI")
+            if magic != b"GGUF" or version < 2:
+                raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+            n_tensors, n_kv = self._read("<QQ")
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = self._string()
+                (kind,) = self._read("<I")
+                self.fields[key] = self._value(kind, keep=not key.startswith("tokenizer."))
+            tensors = []
+            for _ in range(n_tensors):
+                name = self._string()
+                (n_dims,) = self._read("<I")
+                dims = self._read(f"<{n_dims}Q")
+                qtype, offset = self._read("<IQ")
+                tensors.append((name, tuple(dims), qtype, offset))
+            align = int(self.fields.get("general.alignment", 32))
+            start = (self._base + self._pos + align - 1) // align * align
+        self.tensors = [TensorInfo(n, d, q, start + o) for n, d, q, o in tensors]
+
+    def _need(self, n: int) -> None:
+        if self._pos + n > len(self._data):
+            rest = self._data[self._pos :]
+            self._base += self._pos
+            self._data, self._pos = rest + self._file.read(max(n, 1 << 20)), 0
+
+    def _read(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        self._need(size)
+        values = struct.unpack_from(fmt, self._data, self._pos)
+        self._pos += size
+        return values
+
+    def _string(self) -> str:
+        (n,) = self._read("<Q")
+        self._need(n)
+        text = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return text.decode("utf-8", "replace")
+
+    def _value(self, kind: int, keep: bool) -> Any:
+        if kind in SCALARS:
+            return self._read("<" + SCALARS[kind])[0]
+        if kind == STRING:
+            return self._string()
+        if kind != ARRAY:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        item, count = self._read("<IQ")
+        if item in SCALARS and not keep:  # skipped in one step
+            size = struct.calcsize(SCALARS[item]) * count
+            self._need(size)
+            self._pos += size
+            return None
+        values = [self._value(item, keep) for _ in range(count)]
+        return values if keep else None
+
+
+def architecture(layout: Layout) -> str:
+    return str(layout.fields["general.architecture"])
 
 
 def _name_map(arch_name: str, num_layers: int, fused: bool) -> dict[str, str]:
@@ -83,41 +178,47 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
     """Hugging Face name -> weight: a QuantWeight for each matrix of a kept type, else an
     fp32 tensor. Raises ValueError for a tensor it cannot place."""
-    reader = gguf.GGUFReader(str(path))
-    arch = architecture(reader)
+    layout = Layout(path)
+    arch = architecture(layout)
     fused = "phi3" in arch
     names = _name_map(arch, hf_config.num_hidden_layers, fused)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    file = np.memmap(path, dtype=np.uint8, mode="r")
     state: dict[str, Weight] = {}
     costs: dict[str, int] = {}
-    for tensor in reader.tensors:
+    for tensor in layout.tensors:
         base, _, kind = tensor.name.rpartition(".")
+        if base in ROPE_TABLES:
+            continue
         if base not in names:
             raise ValueError(f"{path}: tensor {tensor.name} has no place in a {arch} model")
         name = f"{names[base]}.{kind}"
-        qtype = int(tensor.tensor_type)
-        data = np.asarray(tensor.data)
+        qtype = T(tensor.qtype)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
+        row_bytes = tensor.dims[0] // block * size
+        data = file[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
         if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
             data = _unpermute(data, heads if base.endswith(".attn_q") else kv_heads)
-        matrix = len(tensor.shape) == 2
+        matrix = len(tensor.dims) == 2
         if matrix and qtype in KEPT:
-            n, k = int(tensor.shape[1]), int(tensor.shape[0])
-            raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(n, -1).copy())
-            state[name] = quant.QuantWeight(qtype, raw, (n, k))
+            raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy, out of the map
+            state[name] = quant.QuantWeight(int(qtype), raw, (rows, int(tensor.dims[0])))
             continue
-        if qtype not in (T.F32, T.F16, T.BF16):
-            dims = [int(d) for d in reversed(tensor.shape)]
-            data = gguf.quants.dequantize(data, tensor.tensor_type).reshape(dims)
-            if matrix:
-                costs[tensor.tensor_type.name] = (
-                    costs.get(tensor.tensor_type.name, 0) + data.size * 4
-                )
-        elif qtype == T.BF16:
-            data = gguf.quants.dequantize(data, tensor.tensor_type)
-        value = torch.from_numpy(np.array(data, dtype=np.float32))
+        shape = [int(d) for d in reversed(tensor.dims)]
+        if qtype == T.F32:
+            values = np.array(data).view(np.float32).reshape(shape)
+        elif qtype == T.F16:
+            values = np.array(data).view(np.float16).astype(np.float32).reshape(shape)
+        else:
+            values = gguf.quants.dequantize(np.array(data), qtype).reshape(shape)
+            if matrix and qtype != T.BF16:
+                costs[qtype.name] = costs.get(qtype.name, 0) + values.size * 4
+        value = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         if arch.startswith("gemma") and kind == "weight" and base.endswith("norm"):
             value = value - 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         state[name] = value
+    del file
     for type_name, cost in costs.items():
         log.warning(
             "%s: %s matrices have no quantized kernel: dequantised to fp32 at load (%.1f MiB)",
