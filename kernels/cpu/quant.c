@@ -9,10 +9,15 @@
  * roundings (compiled with -ffp-contract=off, so d * q + m is a product then a sum, as numpy's;
  * rf_qdequantize equals the reference bit for bit), then accumulated in fp32 with fma.
  *
- * Layout of the work: output rows go in panels of NR; a panel is dequantized into a per-thread
- * scratch (NR x K floats, L1/L2-resident) and every row of x is dotted against it, MR rows at a
- * time with MR x NR vector accumulators. So each weight row is read from memory once per call
- * and dequantized once, whatever M is.
+ * Layout of the work, two paths, picked by the row count M (rf_qset_panel_rows):
+ * - decode (few rows): output rows go in panels of NR = 4; a panel is dequantized into a
+ *   per-thread scratch (NR x K floats, L1/L2-resident) and every row of x is dotted against it
+ *   (reductions along K), MR rows at a time with MR x NR vector accumulators.
+ * - panel (many rows, AVX2 and AVX-512): panels of PN = 16 or 32 output rows, dequantized a
+ *   K-block at a time and transposed to [k][PN], against an outer-product micro-kernel over
+ *   PM rows of x (qlinear_rows).
+ * Either way each weight row is read from memory once per call and dequantized once, whatever
+ * M is.
  *
  * ISA: this file includes itself three times below, under `#pragma GCC target` for AVX-512
  * (16-float vectors), AVX2+FMA+F16C (8) and the compiler's baseline (4-float vectors: SSE2 on
@@ -161,16 +166,38 @@ int rf_qset_isa(int want) {
 
 static inline int isa(void) { return isa_level >= 0 ? isa_level : rf_qset_isa(-1); }
 
+/* Rows of x from which rf_qlinear takes the panel path (per ISA; the baseline has none);
+ * fewer take the decode path. The crossovers measured on SmolLM2's shapes (Q4_1, Q8_0, one
+ * thread of this project's AMD EPYC): AVX-512 about 16 rows (par at 16, 0.8-0.95x at 24-32
+ * for K = 576, still 1.05-1.15x at 32 for K = 1536), AVX2 about 12. */
+static const int PANEL_ROWS[3] = {0, 12, 16};
+static int panel_rows_set = 0; /* rf_qset_panel_rows's, 0 for PANEL_ROWS */
+
+/* The row count from which the current ISA takes the panel path: `rows` when rows > 0 (for
+ * every ISA with one), the measured default again when rows == 0, unchanged when rows < 0;
+ * 0 where the ISA has no panel path. */
+int rf_qset_panel_rows(int rows) {
+    if (rows >= 0) panel_rows_set = rows;
+    return isa() == ISA_BASE ? 0 : panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
+}
+
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
     if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
     if (M == 0 || N == 0) return 0;
+    int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:
+        if (M >= rows)
+            return qlinear_rows_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out,
+                                       ldo, threads);
         return qlinear_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
     case ISA_AVX2:
+        if (M >= rows)
+            return qlinear_rows_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo,
+                                     threads);
         return qlinear_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
 #endif
     default:
@@ -546,6 +573,208 @@ static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const 
     }
     return failed ? -2 : 0;
 }
+
+#if VW > 4
+/* ---- many rows: the weight as the B of a GEMM, panels of PN output features ----
+ * A panel's PN weight rows are dequantized a K-block (KB) at a time into pk[k][PN] (VW rows
+ * at a time through a small row-major scratch, then transposed VW x VW in registers), and
+ * every block of PM rows of x runs an outer-product micro-kernel against it: per k, PV panel
+ * vectors times PM broadcast x[m, k] into PM x PV accumulators. The dequantization and the
+ * transposition are paid once per weight and call, then amortized over all M rows. */
+#define PV 2         /* vectors per panel row */
+#define PN (PV * VW) /* output features per panel */
+#if VW == 16
+#define PM 8 /* rows of x per micro-kernel: 16 zmm accumulators */
+#else
+#define PM 6 /* 12 of the 16 ymm registers */
+#endif
+#define DC 256  /* k per dequantized chunk: a multiple of every block size */
+#define KB 1024 /* most k per panel block (a multiple of DC); a longer K takes blocks of KB / 2 */
+
+#if VW == 16
+/* dst[j * ldd + i] = src[i * lds + j], i, j < 16 */
+static inline void FN(transpose)(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
+    for (int i = 0; i < 16; i += 2) { /* lane L: rows i, i + 1 at columns 4L .. 4L + 3 */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+#define PD(v) _mm512_castps_pd(v)
+#define PS(v) _mm512_castpd_ps(v)
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        r[i] = PS(_mm512_unpacklo_pd(PD(t[i]), PD(t[i + 2])));
+        r[i + 1] = PS(_mm512_unpackhi_pd(PD(t[i]), PD(t[i + 2])));
+        r[i + 2] = PS(_mm512_unpacklo_pd(PD(t[i + 1]), PD(t[i + 3])));
+        r[i + 3] = PS(_mm512_unpackhi_pd(PD(t[i + 1]), PD(t[i + 3])));
+    }
+#undef PD
+#undef PS
+    for (int c = 0; c < 4; c++) { /* column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c] */
+        __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        __m512 v = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        __m512 u2 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xdd);
+        __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xdd);
+        _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(u, v, 0x88));
+        _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(u2, v2, 0x88));
+        _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(u, v, 0xdd));
+        _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(u2, v2, 0xdd));
+    }
+}
+#else
+static inline void FN(transpose)(const float *src, int64_t lds, float *dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* r[i + c], half H: column 4H + c of rows i .. i + 3 */
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+        _mm256_storeu_ps(dst + (4 + c) * ldd, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+    }
+}
+#endif
+
+/* pk[k][PN] (k < kb rounded up to VW) = weight rows n0 .. n0 + PN at k0 .. k0 + kb, zero past
+ * row N; rows: a VW x DC scratch */
+static void FN(pack)(int qtype, const uint8_t *w, int64_t row_bytes, const float *scale,
+                     int64_t n0, int64_t N, int64_t k0, int64_t kb, float *rows, float *pk) {
+    int64_t size, bytes;
+    block_of(qtype, &size, &bytes);
+    for (int g = 0; g < PN; g += VW)
+        for (int64_t k = k0; k < k0 + kb; k += DC) {
+            int64_t len = k0 + kb - k < DC ? k0 + kb - k : DC;
+            for (int r = 0; r < VW; r++) {
+                int64_t n = n0 + g + r;
+                if (n < N)
+                    FN(deq_row)(qtype, w + n * row_bytes + k / size * bytes, len,
+                                scale ? scale[n] : 0.f, rows + r * DC);
+                else
+                    memset(rows + r * DC, 0, len * sizeof(float));
+            }
+            for (int64_t j = 0; j < len; j += VW) /* columns past len: read, never used */
+                FN(transpose)(rows + j, DC, pk + (k - k0 + j) * PN + g, PN);
+        }
+}
+
+/* c[m][:PN] (+)= x[m, :kb] . pk for m < mr (a constant once inlined), then + bias[:PN] if
+ * bias; the accumulators are named variables, as tile's */
+#define ACC(m) vf a##m##0 = {}, a##m##1 = {}
+#define STEP(m)                                                                             \
+    if (mr > m) {                                                                           \
+        vf xb = splat(x[m * ldx + k]);                                                      \
+        a##m##0 = FMA(p0, xb, a##m##0), a##m##1 = FMA(p1, xb, a##m##1);                    \
+    }
+#define STORE(m)                                                                            \
+    if (mr > m) {                                                                           \
+        if (add) a##m##0 += ld(c + m * ldc), a##m##1 += ld(c + m * ldc + VW);               \
+        if (bias) a##m##0 += ld(bias), a##m##1 += ld(bias + VW);                            \
+        st(c + m * ldc, a##m##0), st(c + m * ldc + VW, a##m##1);                            \
+    }
+static inline __attribute__((always_inline)) void FN(micro)(
+    const int mr, const float *x, int64_t ldx, int64_t kb, const float *pk, float *c,
+    int64_t ldc, int add, const float *bias) {
+    ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
+#if PM == 8
+    ACC(6); ACC(7);
+#endif
+    for (int64_t k = 0; k < kb; k++) {
+        vf p0 = ld(pk + k * PN), p1 = ld(pk + k * PN + VW);
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
+#if PM == 8
+        STEP(6) STEP(7)
+#endif
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#if PM == 8
+    STORE(6) STORE(7)
+#endif
+}
+#undef ACC
+#undef STEP
+#undef STORE
+
+/* out[:, n0 .. n0 + nr] (+)= x[:, :kb] . pk (+ bias at the last block), PM rows at a time;
+ * a panel past N goes through a PM x PN tile */
+static void FN(rows_block)(const float *x, int64_t M, int64_t ldx, int64_t kb, const float *pk,
+                           int nr, int add, const float *bias, float *out, int64_t ldo) {
+    float tile[PM * PN];
+    for (int64_t m0 = 0; m0 < M; m0 += PM) {
+        int mr = M - m0 < PM ? (int)(M - m0) : PM;
+        const float *xm = x + m0 * ldx;
+        float *c = nr == PN ? out + m0 * ldo : tile;
+        int64_t ldc = nr == PN ? ldo : PN;
+        if (nr < PN && add)
+            for (int m = 0; m < mr; m++) memcpy(tile + m * PN, out + (m0 + m) * ldo, nr * 4);
+        switch (mr) {
+#if PM == 8
+        case 8: FN(micro)(8, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        case 7: FN(micro)(7, xm, ldx, kb, pk, c, ldc, add, bias); break;
+#endif
+        case 6: FN(micro)(6, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        case 5: FN(micro)(5, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        case 4: FN(micro)(4, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        case 3: FN(micro)(3, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        case 2: FN(micro)(2, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        default: FN(micro)(1, xm, ldx, kb, pk, c, ldc, add, bias); break;
+        }
+        if (nr < PN)
+            for (int m = 0; m < mr; m++) memcpy(out + (m0 + m) * ldo, tile + m * PN, nr * 4);
+    }
+}
+
+static int FN(qlinear_rows)(const float *x, int64_t M, int64_t ldx, int64_t K,
+                            const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                            const float *scale, const float *bias, float *out, int64_t ldo,
+                            int threads) {
+    const int64_t kb_max = K <= KB ? K : KB / 2, panels = (N + PN - 1) / PN;
+    int64_t work = N * K * M / (1 << 17) + 1; /* as qlinear's */
+    int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        /* pk: (kb_max rounded up to VW) x PN; rows: VW x DC, zeroed so that the columns a
+         * partial chunk's transposition reads past its length are numbers */
+        int64_t pk_floats = (kb_max + VW - 1) / VW * VW * PN;
+        float *pk = aligned_alloc(64, (pk_floats + VW * DC) * sizeof(float));
+        float *rows = pk + pk_floats, bias_tile[PN];
+        if (!pk) failed = 1;
+        else memset(rows, 0, VW * DC * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!pk) continue;
+            int64_t n0 = p * PN;
+            int nr = N - n0 < PN ? (int)(N - n0) : PN;
+            const float *b = bias ? bias + n0 : NULL;
+            if (bias && nr < PN) {
+                memset(bias_tile, 0, sizeof bias_tile);
+                memcpy(bias_tile, bias + n0, nr * sizeof(float));
+                b = bias_tile;
+            }
+            for (int64_t k0 = 0; k0 < K; k0 += kb_max) {
+                int64_t kb = K - k0 < kb_max ? K - k0 : kb_max;
+                FN(pack)(qtype, w, row_bytes, scale, n0, N, k0, kb, rows, pk);
+                FN(rows_block)(x + k0, M, ldx, kb, pk, nr, k0 > 0, k0 + kb == K ? b : NULL,
+                               out + n0, ldo);
+            }
+        }
+        free(pk);
+    }
+    return failed ? -2 : 0;
+}
+#undef PV
+#undef PN
+#undef PM
+#undef DC
+#undef KB
+#endif
 
 #undef vf
 #undef vi

@@ -10,9 +10,13 @@ and dots it against every row of x (activations stay fp32).
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;
   `RADIXFLOW_QUANT_ISA=avx2|scalar` (read by the C library at first use) or `set_isa` lower
   it; `isa()` says which.
-- Prefill takes the same kernel: on SmolLM2's shapes at 64 and 256 rows (Q4_1, Q8_0; one
-  thread of this project's AMD EPYC) it took 0.33-1.08x the time of dequantizing and calling
-  torch's GEMM (the fp32 weight is never written), and 0.6-1.0x that of F.linear on fp32.
+- Many rows (from `set_panel_rows`' threshold, 16 on AVX-512, 12 on AVX2) take a GEMM-style
+  path: 16 or 32 output rows dequantized and transposed once, then an outer-product
+  micro-kernel over all rows of x. On SmolLM2's shapes at 64 and 256 rows (Q4_1, Q8_0; one
+  thread of this project's AMD EPYC, loaded) it took about the time of oneDNN's packed fp32
+  sgemm (0.84-1.05x; the micro-kernel alone runs at ~100 GFLOP/s, near the core's peak) and
+  0.45-0.85x that of F.linear on fp32. At 8-16 rows it is still 1.1-1.6x oneDNN's time: the
+  dequantization and transposition (~0.14 ns a weight) are then a third of the call.
 - Decode, one thread, 48 distinct 576 -> 1536 weights cycled (out of cache, as a model's are):
   96 us a call at one row for Q4_1, 132 us for Q8_0, 390-460 us for F.linear on fp32; at 16
   rows 500-550 us against 740-770 us. The 49152 x 576 Q8_0 head: 3.2-4.0 ms, fp32 12-13 ms.
@@ -40,6 +44,7 @@ SIGNATURES = {
     "rf_qdequantize": (_C, [_P, _I, _I, _I, _C, _P, _P, _C]),
     "rf_qget_rows": (_C, [_P, _I, _I, _C, _P, _P, _I, _P, _C]),
     "rf_qset_isa": (_C, [_C]),
+    "rf_qset_panel_rows": (_C, [_C]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 _state: dict[str, ctypes.CDLL | None] = {}
@@ -66,6 +71,14 @@ def set_isa(name: str) -> str:
     the best it has) for every caller in this process; returns the path taken."""
     lib = library()
     return "scalar" if lib is None else ISAS[lib.rf_qset_isa(ISAS.index(name))]
+
+
+def set_panel_rows(rows: int) -> int:
+    """From how many rows of x `linear` takes the panel path (AVX2, AVX-512) instead of the
+    decode path, for every caller in this process: `rows` > 0 sets it, 0 restores the measured
+    default, -1 only asks; returns the current ISA's (0 where it has no panel path)."""
+    lib = library()
+    return 0 if lib is None else lib.rf_qset_panel_rows(rows)
 
 
 def address(name: str) -> int | None:

@@ -1,6 +1,7 @@
 """Quantized weights: the reference (`radixflow.kernels.quant`) against gguf's own numpy
 dequantize, bit for bit, and the native kernels (`radixflow.kernels.cpu.quant`) against the
-reference on every ISA path the machine has, for every type, over decode and prefill row counts.
+reference on every ISA path the machine has, for every type, over decode and prefill row counts
+and through both the decode (few rows) and the panel (many rows) path.
 
 Where the machine has a C compiler the kernels must build: a silently failed build would leave
 the native tests skipped, not passing."""
@@ -29,6 +30,7 @@ GGUF_TYPES = [
 ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128]
 LIB = native_quant.library()
 BEST = native_quant.isa()  # before any test lowers it
+PANEL_ROWS = {"avx512": 16, "avx2": 12}  # quant.c's measured thresholds
 needs_lib = pytest.mark.skipif(LIB is None, reason="native quant kernels unavailable")
 
 
@@ -146,14 +148,17 @@ def assert_near(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=quant.NAMES.get)
 def test_native_matches_reference(isa: str, qtype: int) -> None:
-    n = 37  # panels of 4 output rows: a partial last one
+    """At the default threshold: row counts on both sides of it, each path's partial blocks."""
+    n = 37  # panels of 4 (decode) and 16 or 32 (panel) output rows: a partial last one
     w = random_weight(qtype, n, k_for(qtype), seed=qtype)
     k = w.shape[1]
     dense = quant.dequantize(w)
     assert torch.equal(bits(native_quant.dequantize(w)), bits(dense)), "dequantize"
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(n, generator=gen)
-    for m in (1, 2, 3, 4, 7, 8, 16, 64, 200):
+    threshold = native_quant.set_panel_rows(-1)
+    assert threshold == (0 if isa == "scalar" else PANEL_ROWS[isa]), f"{threshold=}"
+    for m in (1, 2, 3, 4, 7, 8, 11, 12, 13, 15, 16, 17, 64, 200):
         x = torch.randn((m, k), generator=gen)
         expected = quant.linear(x, w)
         assert_near(native_quant.linear(x, w), expected)
@@ -162,13 +167,46 @@ def test_native_matches_reference(isa: str, qtype: int) -> None:
     assert torch.equal(bits(native_quant.embedding(ids, w)), bits(quant.embedding(ids, w)))
 
 
-def test_native_strides_and_out(isa: str) -> None:
+@pytest.fixture
+def panel(isa: str) -> Iterator[None]:
+    """Every call through the panel path (skipped where the ISA has none), threshold restored."""
+    if native_quant.set_panel_rows(1) != 1:
+        native_quant.set_panel_rows(0)
+        pytest.skip(f"no panel path on {isa}")
+    yield
+    native_quant.set_panel_rows(0)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=quant.NAMES.get)
+def test_panel_path_matches_reference(panel: None, qtype: int) -> None:
+    """The many-rows path at any row count: partial panels of output rows (37 = 32 + 5 and
+    2 x 16 + 5), partial row blocks (PM = 8 or 6), K split in blocks with a bias added once
+    (1280 and 1101 > 1024; 1101 and 77 leave a partial vector of k), x at a row stride."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((37, k_for(qtype)), (37, 1101 if quant.BLOCK[qtype][0] == 1 else 1280)):
+        w = random_weight(qtype, n, k, seed=qtype)
+        bias = torch.randn(n, generator=gen)
+        for m in (1, 5, 7, 13, 33):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]  # row stride k + 9
+            expected = quant.linear(x, w)
+            assert_near(native_quant.linear(x, w), expected)
+            assert_near(native_quant.linear(x, w, bias), expected + bias)
+
+
+def test_set_panel_rows_moves_the_threshold(panel: None) -> None:
+    assert native_quant.set_panel_rows(-1) == 1
+    assert native_quant.set_panel_rows(40) == 40
+    assert native_quant.set_panel_rows(0) == PANEL_ROWS[native_quant.isa()]
+
+
+@pytest.mark.parametrize("m", [5, 21])  # decode and panel path
+def test_native_strides_and_out(isa: str, m: int) -> None:
     """x rows at a stride, the result written into columns of a wider out; threads split N."""
     w = random_weight(quant.Q5_K, 603, 512)
     gen = torch.Generator().manual_seed(4)
-    wide = torch.randn((5, 700), generator=gen)
-    x = wide[:, 100:612]  # (5, 512), row stride 700
-    out = torch.full((5, 650), float("nan"))
+    wide = torch.randn((m, 700), generator=gen)
+    x = wide[:, 100:612]  # (m, 512), row stride 700
+    out = torch.full((m, 650), float("nan"))
     result = native_quant.linear(x, w, out=out[:, 20:623])
     assert result is not None and result.data_ptr() == out[:, 20:].data_ptr()
     assert_near(out[:, 20:623], quant.linear(x, w))
