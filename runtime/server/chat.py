@@ -7,14 +7,21 @@ The tool-call format is `--tool-call-parser`, or inferred from the chat template
 (runtime/server/tool_calls.py); `--reasoning-parser` splits the think block. Per request,
 `chat_template_kwargs` reach the template (for example `enable_thinking: false`) and
 `separate_reasoning: false` leaves the think block in `content`.
+
+Constraints and reasoning: with a reasoning parser and thinking on, a request's constraint
+(tools, json_schema, regex, ebnf, structural_tag) applies from the end of the think block: it
+becomes a structural tag whose watch starts `after` "</think>" (`after_reasoning`). With
+`enable_thinking: false` the template closes the block in the prompt, and the constraint
+applies from the first token.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixflow.runtime.server.reasoning import ReasoningParser
+from radixflow.runtime.server.reasoning import CLOSE, ReasoningParser
 from radixflow.runtime.server.tool_calls import (
     Format,
     Tool,
@@ -31,6 +38,8 @@ from radixflow.runtime.server.tool_calls import (
 )
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
+BODY_OF = {"regex": "regex", "json_schema": "schema", "ebnf": "ebnf"}  # structural tag names
 
 
 @dataclass(frozen=True)
@@ -39,10 +48,21 @@ class ChatPlan:
     replies are read back."""
 
     prompt: str
-    constraint: dict[str, str]  # sampling params (regex / json_schema) or {}
+    constraint: dict[str, str]  # sampling params (regex / json_schema / structural_tag) or {}
     tool_format: Format | None  # None: tools are off (none given, or tool_choice none)
     reasoning: ReasoningParser | None
     thinking: bool
+    after: str = ""  # constraints apply once the reply has written this ("</think>")
+    soft: bool = False  # the constraint (auto's trigger) gives way to the request's own
+
+    def sampling(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The request's sampling params with this plan's constraint; ToolError when both
+        constrain (tool_choice required takes no other constraint)."""
+        own = any(params.get(k) for k in CONSTRAINTS)
+        if self.constraint and own and not self.soft:
+            raise ToolError("tool_choice required (or named) takes no other constraint")
+        params = params if own else {**params, **self.constraint}
+        return after_reasoning(params, self.after)
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """(the assistant message of a finished reply, whether it calls tools)."""
@@ -117,14 +137,42 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     template_tools = [t.openai() for t in offered] if offered and not generic else None
     prompt = render(tokenizer, messages, template_tools, kwargs)
     constraint: dict[str, str] = {}
+    trigger = fmt.trigger(offered, parallel) if fmt is not None and offered else None
     if fmt is not None and choice.mode == "required":
         constraint = fmt.grammar(offered, parallel)
     elif fmt is not None and generic:  # auto: a call or an answer, always one that parses
         constraint = fmt.constraint(offered, parallel, answer=True)
+    elif trigger is not None:  # auto: free until the reply opens a call
+        constraint = {"structural_tag": json.dumps(trigger)}
     separate = body.get("separate_reasoning", True)
     reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
     thinking = bool(kwargs.get("enable_thinking", True))
-    return ChatPlan(prompt, constraint, fmt, reasoning if separate else None, thinking)
+    after = CLOSE if reasoning is not None and thinking else ""
+    reader = reasoning if separate else None
+    soft = trigger is not None and choice.mode == "auto" and not generic
+    return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft)
+
+
+def after_reasoning(params: dict[str, Any], after: str) -> dict[str, Any]:
+    """`params` with its constraint applied from `after` on: a structural tag whose watch
+    starts there (a trigger "" fires at once), the constraint itself its one structure."""
+    kind = next((k for k in CONSTRAINTS if params.get(k)), None)
+    if not after or kind is None:
+        return params
+    out = {k: v for k, v in params.items() if k != kind}
+    value = params[kind]
+    if kind == "structural_tag":
+        tag = json.loads(value) if isinstance(value, str) else dict(value)
+        if isinstance(tag, dict) and "after" not in tag:  # one that says where it starts keeps it
+            tag["after"] = after
+        out[kind] = json.dumps(tag)
+        return out
+    if kind == "json_schema" and isinstance(value, str):
+        value = json.loads(value)
+    structure = {"begin": "", BODY_OF[kind]: value, "end": ""}
+    tag = {"type": "structural_tag", "structures": [structure], "triggers": [""]}
+    out["structural_tag"] = json.dumps({**tag, "after": after, "stop_after_first": True})
+    return out
 
 
 def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:

@@ -14,7 +14,10 @@ With `tool_choice` required or named, the reply is generated under a grammar bui
 tools' JSON schemas (the name is one of the tools, the arguments valid for that tool), so a
 malformed call cannot be written: a regex for the template formats, a JSON schema for generic.
 With `auto`, generic is constrained to "a call or an answer"; the template formats generate
-freely and are parsed (pythonic is never constrained).
+freely until the reply opens a call (`trigger`: the format's start tag), and the call is
+generated under the same grammar from there (a structural tag, runtime/constrained/
+triggered.py): hermes after each `<tool_call>`, mistral after `[TOOL_CALLS]`, llama3 when the
+reply opens with `{`. Pythonic is never constrained.
 """
 
 from __future__ import annotations
@@ -146,6 +149,11 @@ class Format:
         """Sampling parameters (regex or json_schema) that admit only valid calls."""
         raise ToolError(f"the {self.name} format has no grammar for required calls")
 
+    def trigger(self, tools: list[Tool], parallel: bool) -> dict[str, Any] | None:
+        """tool_choice auto: the structural tag that leaves the reply free until it opens a
+        call, then generates the call under the tools' grammar; None: no constraint."""
+        return None
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a reply; text that does not parse as calls stays content."""
         raise NotImplementedError
@@ -173,6 +181,10 @@ def new_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def _tag(structures: list[dict[str, str]], trigger: str, **flags: bool) -> dict[str, Any]:
+    return {"type": "structural_tag", "structures": structures, "triggers": [trigger], **flags}
+
+
 def _repeat(one: str, separator: str, parallel: bool) -> str:
     return f"{one}(?:{separator}{one}){{0,{MAX_PARALLEL - 1}}}" if parallel else one
 
@@ -183,6 +195,13 @@ class Hermes(Format):
     def grammar(self, tools: list[Tool], parallel: bool) -> dict[str, str]:
         one = rf"<tool_call>\n(?:{schema_regex(call_schema(tools))})\n</tool_call>"
         return {"regex": _repeat(one, r"\n", parallel)}
+
+    def trigger(self, tools: list[Tool], parallel: bool) -> dict[str, Any] | None:
+        """Each `<tool_call>` opens a call (one per tag: after it the reply is free again,
+        or must end when parallel_tool_calls is false)."""
+        call = schema_regex(call_schema(tools))
+        structure = {"begin": "<tool_call>\n", "regex": call, "end": "\n</tool_call>"}
+        return _tag([structure], self.start, stop_after_first=not parallel)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls, content = [], text
@@ -207,13 +226,26 @@ class Llama3(Format):
         one = f"(?:{schema_regex(call_schema(tools, 'parameters'))})"
         return {"regex": _repeat(one, "; ", parallel)}
 
+    def trigger(self, tools: list[Tool], parallel: bool) -> dict[str, Any] | None:
+        """A reply that opens with "{" is calls: the trigger is that brace, the grammar the
+        rest of the first call (each tool's call regex less its opening brace), then more."""
+        calls = [schema_regex(call_schema([t], "parameters")) for t in tools]
+        assert all(c.startswith(r"\{") for c in calls), calls
+        rest = "|".join(f"(?:{c[2:]})" for c in calls)
+        more = f"(?:; (?:{'|'.join(calls)})){{0,{MAX_PARALLEL - 1}}}" if parallel else ""
+        structure = {"begin": "{", "regex": f"(?:{rest}){more}", "end": ""}
+        return _tag([structure], "{", at_start=True, stop_after_first=True)
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>")
         calls = []
-        for part in body.split("; ") if body.startswith("{") else []:
+        parts = body.split("; ") if body.startswith("{") else []
+        for i, part in enumerate(parts):
             try:
                 obj = json.loads(part)
             except json.JSONDecodeError:
+                if calls and i == len(parts) - 1:  # cut by max_tokens: the complete calls
+                    return "", calls
                 return text, []
             call = _call(obj.get("name"), obj.get("parameters", obj.get("arguments")))
             if not isinstance(obj, dict) or call is None:
@@ -230,8 +262,16 @@ class Mistral(Format):
     name, start = "mistral", "[TOOL_CALLS]"
 
     def grammar(self, tools: list[Tool], parallel: bool) -> dict[str, str]:
-        one = f"(?:{schema_regex(call_schema(tools))})"
-        return {"regex": r"\[TOOL_CALLS\] ?\[" + _repeat(one, ", ?", parallel) + r"\]"}
+        return {"regex": r"\[TOOL_CALLS\] ?\[" + self.calls(tools, parallel) + r"\]"}
+
+    def calls(self, tools: list[Tool], parallel: bool) -> str:
+        return _repeat(f"(?:{schema_regex(call_schema(tools))})", ", ?", parallel)
+
+    def trigger(self, tools: list[Tool], parallel: bool) -> dict[str, Any] | None:
+        """Everything after `[TOOL_CALLS]` is the list of calls."""
+        regex = r" ?\[" + self.calls(tools, parallel) + r"\]"
+        structure = {"begin": self.start, "regex": regex, "end": ""}
+        return _tag([structure], self.start, stop_after_first=True)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         head, marker, tail = text.partition(self.start)

@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from radixflow.runtime.constrained.triggered import parse_spec
 from radixflow.runtime.server.reasoning import ReasoningParser
 from radixflow.runtime.server.tool_calls import (
     Tool,
@@ -138,6 +139,9 @@ def test_each_format_parses_its_calls() -> None:
     assert [c.name for c in get_format("generic").parse(cut)[1]] == ["f"]  # max_tokens cut
     _, calls = get_format("generic").parse('{"tool_calls": [{"name": "f", "arguments": {}}]}')
     assert calls[0].name == "f"
+    cut = '{"name": "g", "parameters": {}}; {"name": "g", "param'
+    assert [c.name for c in get_format("llama3").parse(cut)[1]] == ["g"]  # max_tokens cut
+    assert get_format("llama3").parse('{"name": "g", "param')[1] == []
     for name in ("hermes", "llama3", "mistral", "pythonic", "generic"):  # plain text stays
         assert get_format(name).parse("The answer is 4.") == ("The answer is 4.", [])
 
@@ -185,3 +189,18 @@ def test_reasoning_split_finished_and_streaming() -> None:
     assert qwen3.visible("<think>\na\n</") == ("a", "")  # the newline may precede the tag
     with pytest.raises(ValueError):
         ReasoningParser("nope")
+
+
+def test_auto_triggers_are_structural_tags_the_grammar_layer_takes() -> None:
+    """tool_choice auto's tag per format: free text until the start tag, then the call."""
+    tools = [Tool("w", "", {"type": "object", "properties": {"n": {"type": "integer"}}})]
+    for name, trigger in (("hermes", "<tool_call>"), ("llama3", "{"), ("mistral", "[TOOL_CALLS]")):
+        tag = get_format(name).trigger(tools, parallel=True)
+        ((fired, (kind, regex)),) = parse_spec(json.dumps(tag)).triggers
+        assert fired == trigger and kind == "regex", tag
+        rest = {"hermes": '\n{"name": "w", "arguments": {"n": 1}}\n</tool_call>',
+                "llama3": '"name": "w", "parameters": {"n": 1}}; {"name": "w", "parameters": {}}',
+                "mistral": ' [{"name": "w", "arguments": {}}]'}[name]  # fmt: skip
+        assert re.fullmatch(regex, rest), (name, regex)
+    for name in ("pythonic", "generic"):
+        assert get_format(name).trigger(tools, parallel=True) is None

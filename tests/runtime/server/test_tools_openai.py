@@ -9,11 +9,13 @@ import json
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
 from test_tool_calls import random_schema
+from transformers import AutoTokenizer
 
 from conftest import start_server
 
@@ -121,6 +123,25 @@ def test_streamed_call_arrives_as_tool_call_deltas(client: openai.OpenAI) -> Non
     assert finish == "tool_calls" and calls
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), PARAMS[entry["name"]])
+
+
+def test_two_parallel_calls_in_one_reply(client: openai.OpenAI) -> None:
+    """parallel_tool_calls: the generic reply's list takes several calls; tokens that would close
+    it are biased away, so the 135M model writes a second call (the grammar still decides)."""
+    vocab = client_tokenizer(client).get_vocab()
+    closing = {str(i): -100 for t, i in vocab.items() if t.startswith("]")}
+    reply = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80,
+        temperature=0, parallel_tool_calls=True, logit_bias=closing,
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert len(valid_calls(message, PARAMS)) >= 2, message
+    assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
+
+
+def client_tokenizer(client: openai.OpenAI) -> Any:
+    path = client.models.list().data[0].model_dump()["root"]
+    return AutoTokenizer.from_pretrained(path)
 
 
 def random_calls(client: openai.OpenAI, count: int, seed: int) -> None:
