@@ -30,7 +30,7 @@ from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
-from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
+from radixflow.runtime.model_executor.kv_sizing import kv_cache_dtype, size_kv_pool
 from radixflow.runtime.model_executor.model_runner import (
     ModelRunner,
     load_model,
@@ -123,6 +123,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         max_kv_len=context_len,
         prefault=not config.disable_kv_prefault,
         governor=governor(config, device, loaded.tp is not None),
+        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
     )
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)

@@ -234,7 +234,7 @@ def decode_attention(
     fast = None
     if layout.runs is not None:
         fast = native.decode_attention(q, k_buffer, v_buffer, layout.runs, sm_scale, logit_cap)
-        if fast is None:  # a pool the kernel does not take (not fp32): torch's layout, once
+        if fast is None:  # a pool the kernel does not take (fp16): torch's layout, once
             if "torch" not in layout.fallback:
                 layout.fallback["torch"] = decode_layout(
                     kv_indptr, kv_indices, sliding_window, False

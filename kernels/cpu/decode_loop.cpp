@@ -27,9 +27,9 @@ typedef void (*RmsNorm)(const float *, int64_t, const float *, int64_t, const fl
                         int64_t, int64_t, float *, float *, int);
 typedef void (*SiluMul)(const float *, int64_t, int64_t, int64_t, float *, int);
 typedef int64_t (*RopeDecodeAttention)(float *, int64_t, const float *, const float *, int64_t,
-                                       float *, float *, int64_t, const int64_t *,
+                                       void *, void *, int64_t, const int64_t *,
                                        const int64_t *, const int64_t *, const int64_t *, int,
-                                       int, int, int, float, float, float *, float *, int);
+                                       int, int, int, float, float, float *, float *, int, int);
 
 typedef int (*QLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
                        int64_t, int, const float *, const float *, float *, int64_t, int);
@@ -82,7 +82,8 @@ const int64_t *i64(const at::Tensor &t) { return t.data_ptr<int64_t>(); }
  * rf_silu_mul, rf_rope_decode_attention. -> (mlp, residual, status): the last layer's output
  * and residual (their sum is the final norm's input), and rf_rope_decode_attention's status
  * (0, or the layer's nonzero status: the loop stops there); -3, with nothing touched, for
- * inputs it does not take (pools or hidden not contiguous fp32). */
+ * inputs it does not take (hidden not contiguous fp32, pools not contiguous and all fp32 or
+ * all bf16: --kv-cache-dtype bf16's pools are read and written by the native attention). */
 std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
     const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
@@ -93,9 +94,11 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     double scale, double eps, const std::vector<int64_t> &fns, int64_t threads) {
     pybind11::gil_scoped_release no_gil;
     const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat;
+    const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
+    if (kv_type != at::kFloat && kv_type != at::kBFloat16) return {hidden, at::Tensor(), -3};
     for (size_t i = 0; plain && i < k_pools.size(); i++)
         if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
-            k_pools[i].scalar_type() != at::kFloat || v_pools[i].scalar_type() != at::kFloat)
+            k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type)
             return {hidden, at::Tensor(), -3};
     if (!plain || 4 * k_pools.size() != projs.size() || projs.size() != metas.size())
         return {hidden, at::Tensor(), -3};
@@ -129,10 +132,10 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
         at::Tensor attn = at::empty({rows, q_size}, options);
         at::Tensor lse = at::empty({rows, num_heads}, options);
         int64_t status = attention(
-            f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), f32(k_pools[i]),
-            f32(v_pools[i]), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
+            f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), k_pools[i].data_ptr(),
+            v_pools[i].data_ptr(), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
-            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n);
+            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_type == at::kBFloat16);
         if (status != 0) return {hidden, residual, status};
         at::Tensor projected = project(attn, i, 1);
         if (!projected.defined()) return {hidden, residual, -4};

@@ -9,10 +9,11 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
 
 - It serves the plain pre-norm decoder: fused qkv and gate_up projections without biases,
   each prepacked for oneDNN (`runtime/models/prepack.py`), RMSNorm without offset, SiLU,
-  no q/k norm, no sliding window, no soft-capping, fp32, the native kernels built. `build`
-  returns None for any other model (Llama and SmolLM2 qualify; so does Mistral without its
-  window), and `DecodeLoop.run` returns None for a step it does not take (shared
-  prefixes to merge, too few rows for the packs): the layers then run in Python.
+  no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32 or bf16), the
+  native kernels built. `build` returns None for any other model (Llama and SmolLM2
+  qualify; so does Mistral without its window), and `DecodeLoop.run` returns None for a step
+  it does not take (shared prefixes to merge, too few rows for the packs): the layers then
+  run in Python.
 - Built once per machine into `RADIXFLOW_CACHE/decode_loop` (about 30 s, at model load);
   where it cannot be built (no C++ compiler, ninja or torch headers) it is off, with a log
   line. `RADIXFLOW_DECODE_LOOP=0` turns it off; so does `--disable-cpu-decode-loop`.

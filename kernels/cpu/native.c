@@ -7,7 +7,11 @@
  *
  * Vectors are GCC vector extensions of 16 floats (one AVX-512 register; the compiler splits
  * them where the machine has narrower ones). Sums run in a fixed order per row, so results
- * do not depend on the thread count. */
+ * do not depend on the thread count.
+ *
+ * KV pools are fp32 or bf16 (`kv_bf16`, --kv-cache-dtype bf16): bf16 keys and values are
+ * widened to fp32 as they are loaded (a 16-bit shift) and rounded to nearest even as they
+ * are stored, as torch's conversions do; all math stays fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +28,27 @@ typedef double vd __attribute__((vector_size(64)));  /* 8 doubles */
 
 static inline vf loadv(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+typedef uint16_t vh __attribute__((vector_size(32)));  /* 16 bf16 */
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+/* 16 pool elements from element index i of an fp32 (bf == 0) or bf16 (bf == 1) pool, in
+ * fp32; bf is a constant where this is inlined, so each pool type gets its own loop. */
+static inline vf load_kv(const void *pool, int64_t i, const int bf) {
+    if (!bf) return loadv((const float *)pool + i);
+    vh h;
+    memcpy(&h, (const uint16_t *)pool + i, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+/* fp32 -> bf16 rounded to nearest even, NaN to 0xffff (a NaN), as torch's vectorized CPU
+ * .to(bfloat16) gives them. */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 static inline vf vmax(vf a, vf b) {
     vi gt = a > b;
@@ -95,27 +120,28 @@ static inline float exp_neg(float x) { return vexp_neg((vf){0} + x)[0]; }
  * On this project's AMD EPYC (2 threads, 64 requests of 89 keys, pools cold), attention
  * took 0.68-0.75x the time of prefetching each next block in one burst at its start, and
  * 0.8x at 400 keys. */
-typedef struct { const float *k, *v; int64_t ks, row, end, width, off; } Prefetch;
+typedef struct { const char *k, *v; int64_t ks, row, end, width, off, es; } Prefetch;
 
 static inline void advance(Prefetch *p, int lines) {
     for (int i = 0; i < lines && p->row < p->end; i++) {
-        __builtin_prefetch(p->k + p->row * p->ks + p->off);
-        __builtin_prefetch(p->v + p->row * p->ks + p->off);
-        p->off += 16;
+        __builtin_prefetch(p->k + (p->row * p->ks + p->off) * p->es);
+        __builtin_prefetch(p->v + (p->row * p->ks + p->off) * p->es);
+        p->off += 64 / p->es; /* one cache line of elements */
         if (p->off >= p->width) p->off = 0, p->row++;
     }
 }
 
 /* Query rows of NH KV heads (G rows each: q + (h * G + g) * D) over the keys of `num_runs`
  * runs of consecutive slots (run i: slots first[i] .. first[i] + count[i] - 1; slot j of
- * head h at k + j * ks + h * hs), by online softmax -> out (NH * G x D), lse (NH * G).
+ * head h at element j * ks + h * hs of k, fp32 or, with BF, bf16), by online softmax -> out
+ * (NH * G x D), lse (NH * G).
  * Keys and values are read in memory order, block by block: each slot's heads side by side,
  * every query row of a head scored (or weighted) at once; the next block, or the next run's
  * or task's first one, is prefetched meanwhile (they lie elsewhere in the pool). */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *k, const float *v, int64_t hs, int64_t ks, const int64_t *first,
-    const int64_t *count, int64_t num_runs, int NH, const int G, const int C, float scale,
-    float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
+    const float *q, const void *k, const void *v, int64_t hs, int64_t ks, const int64_t *first,
+    const int64_t *count, int64_t num_runs, int NH, const int G, const int C, const int BF,
+    float scale, float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
     const int R = NH * G;
     vf qs[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][VW];
     float m[MAX_ROWS], s[MAX_ROWS], p[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
@@ -128,7 +154,7 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
     for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
         int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
-        Prefetch pf = {k, v, ks, 0, 0, width, 0};
+        Prefetch pf = {k, v, ks, 0, 0, width, 0, BF ? 2 : 4};
         if (j0 + BLOCK < end)
             pf.row = j0 + BLOCK, pf.end = end - j0 - BLOCK < BLOCK ? end : j0 + 2 * BLOCK;
         else if (i + 1 < num_runs)
@@ -139,11 +165,11 @@ static inline __attribute__((always_inline)) void attend(
         for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
             int nj = n - j1 < VW ? n - j1 : VW;
             for (int j = 0; j < VW; j++) {
-                const float *kj = k + (j0 + j1 + (j < nj ? j : 0)) * ks;
+                const int64_t kj = (j0 + j1 + (j < nj ? j : 0)) * ks;
                 for (int h = 0; h < NH; h++) {
                     advance(&pf, 1);
                     vf kv[MAX_CHUNKS];
-                    for (int c = 0; c < C; c++) kv[c] = loadv(kj + h * hs + c * VW);
+                    for (int c = 0; c < C; c++) kv[c] = load_kv(k, kj + h * hs + c * VW, BF);
                     for (int g = 0; g < G; g++) {
                         const int r = h * G + g;
                         vf a = qs[r][0] * kv[0];
@@ -176,11 +202,11 @@ static inline __attribute__((always_inline)) void attend(
                 for (int c = 0; c < C; c++) acc[r][c] *= corr;
         }
         for (int j = 0; j < n; j++) {
-            const float *vj = v + (j0 + j) * ks;
+            const int64_t vj = (j0 + j) * ks;
             for (int h = 0; h < NH; h++) {
                 advance(&pf, 1);
                 vf vv[MAX_CHUNKS];
-                for (int c = 0; c < C; c++) vv[c] = loadv(vj + h * hs + c * VW);
+                for (int c = 0; c < C; c++) vv[c] = load_kv(v, vj + h * hs + c * VW, BF);
                 for (int g = 0; g < G; g++) {
                     const int r = h * G + g;
                     for (int c = 0; c < C; c++) acc[r][c] += p[r][j] * vv[c];
@@ -198,14 +224,20 @@ static inline __attribute__((always_inline)) void attend(
 /* attend() instantiated for a group size and head_dim (and, with SHAPE_HEADS, a task's head
  * count: its loops over heads unroll, and its accumulators and partial scores can live in
  * registers; for SmolLM2-135M's 3 heads a task, 0.85x the hot time). */
-#define SHAPE_HEADS(GG, CC, NHH)                                                           \
+#define SHAPE_HEADS(GG, CC, NHH, BF)                                                       \
     if (G == GG && C == CC && (NHH == 0 || nh == NHH)) {                                   \
         attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs,               \
-               NHH ? NHH : nh, GG, CC, scale, cap, ot, lse + (b * Hkv + h0) * G,           \
+               NHH ? NHH : nh, GG, CC, BF, scale, cap, ot, lse + (b * Hkv + h0) * G,       \
                next_slot, next_count);                                                     \
         continue;                                                                          \
     }
-#define SHAPE(GG, CC) SHAPE_HEADS(GG, CC, 0)
+#define SHAPE(GG, CC, BF) SHAPE_HEADS(GG, CC, 0, BF)
+#define SHAPES(BF)                                                                         \
+    SHAPE_HEADS(3, 4, 3, BF) SHAPE(1, 4, BF) SHAPE(2, 4, BF) SHAPE(3, 4, BF)               \
+    SHAPE(4, 4, BF) SHAPE(1, 8, BF) SHAPE(2, 8, BF) SHAPE(4, 8, BF) SHAPE(7, 4, BF)        \
+    SHAPE(7, 8, BF) SHAPE(8, 8, BF)                                                        \
+    attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, BF,     \
+           scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
 
 typedef struct { int64_t cost, b, h0, nh; } Task;
 
@@ -214,31 +246,32 @@ static int costlier_first(const void *x, const void *y) {
     return a < b ? 1 : a > b ? -1 : 0;
 }
 
-static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
-                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
-                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                           float *lse, int threads);
+static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
+                           int kv_bf16, const int64_t *run_indptr, const int64_t *first,
+                           const int64_t *count, int B, int Hkv, int G, int D, float scale,
+                           float cap, float *out, float *lse, int threads);
 
 /* Decode attention of B requests, one query token each, over keys read where they lie in
  * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
  * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
  * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
  * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
- * when cap > 0; `threads` OpenMP threads. Returns 0, or -1 for shapes it does not take (D
- * not a multiple of 16 or over 256, G over 8), -2 when out of memory. */
-int rf_decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+ * when cap > 0; `threads` OpenMP threads; pools fp32, or bf16 when kv_bf16. Returns 0, or -1
+ * for shapes it does not take (D not a multiple of 16 or over 256, G over 8), -2 when out of
+ * memory. */
+int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                         const int64_t *run_indptr, const int64_t *first, const int64_t *count,
                         int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                        float *lse, int threads) {
+                        float *lse, int threads, int kv_bf16) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
-    return attention_tasks(q, q_stride, k, v, run_indptr, first, count, B, Hkv, G, D, scale, cap,
-                           out, lse, threads);
+    return attention_tasks(q, q_stride, k, v, kv_bf16, run_indptr, first, count, B, Hkv, G, D,
+                           scale, cap, out, lse, threads);
 }
 
-static int attention_tasks(const float *q, int64_t q_stride, const float *k, const float *v,
-                           const int64_t *run_indptr, const int64_t *first, const int64_t *count,
-                           int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                           float *lse, int threads) {
+static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
+                           int kv_bf16, const int64_t *run_indptr, const int64_t *first,
+                           const int64_t *count, int B, int Hkv, int G, int D, float scale,
+                           float cap, float *out, float *lse, int threads) {
     const int C = D / VW;
     int64_t total = 0;
     for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
@@ -278,12 +311,14 @@ static int attention_tasks(const float *q, int64_t q_stride, const float *k, con
                 next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
         }
         const float *qt = q + b * q_stride + h0 * G * D;
-        const float *kt = k + h0 * D, *vt = v + h0 * D;
+        const int64_t es = kv_bf16 ? 2 : 4; /* the pools' element size */
+        const char *kt = (const char *)k + h0 * D * es, *vt = (const char *)v + h0 * D * es;
         float *ot = out + (b * Hkv + h0) * G * D;
-        SHAPE_HEADS(3, 4, 3) SHAPE(1, 4) SHAPE(2, 4) SHAPE(3, 4) SHAPE(4, 4) SHAPE(1, 8)
-        SHAPE(2, 8) SHAPE(4, 8) SHAPE(7, 4) SHAPE(7, 8) SHAPE(8, 8)
-        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, scale, cap,
-               ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
+        if (kv_bf16) {
+            SHAPES(1)
+        } else {
+            SHAPES(0)
+        }
     }
     free(tasks);
     return 0;
@@ -367,13 +402,19 @@ static inline void rope_row(const float *x, float *out, const float *c, const fl
     }
 }
 
-/* One row's keys and values (`width` floats each) into slot `slot` of the pools; returns 1
- * (nothing stored) when the slot is outside [0, num_slots). */
-static inline int64_t store_row(float *k_pool, float *v_pool, int64_t num_slots, int64_t slot,
-                                const float *k, const float *v, int64_t width) {
+/* One row's keys and values (`width` floats each) into slot `slot` of the pools (fp32, or
+ * bf16 when kv_bf16: rounded to nearest even); returns 1 (nothing stored) when the slot is
+ * outside [0, num_slots). */
+static inline int64_t store_row(void *k_pool, void *v_pool, int64_t num_slots, int64_t slot,
+                                const float *k, const float *v, int64_t width, int kv_bf16) {
     if (slot < 0 || slot >= num_slots) return 1;
-    memcpy(k_pool + slot * width, k, width * sizeof(float));
-    memcpy(v_pool + slot * width, v, width * sizeof(float));
+    if (!kv_bf16) {
+        memcpy((float *)k_pool + slot * width, k, width * sizeof(float));
+        memcpy((float *)v_pool + slot * width, v, width * sizeof(float));
+        return 0;
+    }
+    uint16_t *kd = (uint16_t *)k_pool + slot * width, *vd = (uint16_t *)v_pool + slot * width;
+    for (int64_t i = 0; i < width; i++) kd[i] = to_bf16(k[i]), vd[i] = to_bf16(v[i]);
     return 0;
 }
 
@@ -382,13 +423,13 @@ static inline int64_t store_row(float *k_pool, float *v_pool, int64_t num_slots,
  * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
  * With k_pool (not NULL), row t's last kv_heads heads of out (its keys, rotated) and its
  * values (v: rows v_stride floats apart, kv_heads * D floats) are also stored at slot
- * slots[t] of k_pool and v_pool (num_slots rows each), as rf_store_kv does: one pass where
- * rope and the store were two calls. Returns the number of rows whose slot was out of range
- * (those are not stored). */
+ * slots[t] of k_pool and v_pool (num_slots rows each; bf16 when kv_bf16), as rf_store_kv
+ * does: one pass where rope and the store were two calls. Returns the number of rows whose
+ * slot was out of range (those are not stored). */
 int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
-                int64_t heads, int64_t D, int64_t rotary, float *out, float *k_pool,
-                float *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
-                const float *v, int64_t v_stride, int threads) {
+                int64_t heads, int64_t D, int64_t rotary, float *out, void *k_pool,
+                void *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
+                const float *v, int64_t v_stride, int threads, int kv_bf16) {
     int64_t bad = 0, width = kv_heads * D;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
     reduction(+ : bad)
@@ -397,7 +438,7 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
         rope_row(x + t * x_stride, row, cos + t * rotary, sin + t * rotary, heads, D, rotary);
         if (k_pool)
             bad += store_row(k_pool, v_pool, num_slots, slots[t], row + (heads - kv_heads) * D,
-                             v + t * v_stride, width);
+                             v + t * v_stride, width, kv_bf16);
     }
     return bad;
 }
@@ -407,15 +448,15 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
  * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
  * does; each row's keys and values are stored at slots[b] of the pools (num_slots, Hkv, D),
  * as rf_store_kv does; then the rotated queries attend as rf_decode_attention does (runs,
- * scale, cap, out, lse the same). Returns 0; -1 for shapes the attention does not take
+ * scale, cap, out, lse, kv_bf16 the same). Returns 0; -1 for shapes the attention does not take
  * (nothing is touched then); -2 out of memory; else the number of rows whose slot was out of
  * range (nothing is attended then). */
 int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *cos,
-                                 const float *sin, int64_t rotary, float *k_pool, float *v_pool,
+                                 const float *sin, int64_t rotary, void *k_pool, void *v_pool,
                                  int64_t num_slots, const int64_t *slots,
                                  const int64_t *run_indptr, const int64_t *first,
                                  const int64_t *count, int B, int Hkv, int G, int D, float scale,
-                                 float cap, float *out, float *lse, int threads) {
+                                 float cap, float *out, float *lse, int threads, int kv_bf16) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
     const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
     int64_t bad = 0;
@@ -425,22 +466,23 @@ int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *co
         float *row = qkv + b * qkv_stride;
         rope_row(row, row, cos + b * rotary, sin + b * rotary, heads, D, rotary);
         bad += store_row(k_pool, v_pool, num_slots, slots[b], row + (heads - Hkv) * D,
-                         row + heads * D, width);
+                         row + heads * D, width, kv_bf16);
     }
     if (bad) return bad;
-    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, run_indptr, first, count, B, Hkv, G,
-                           D, scale, cap, out, lse, threads);
+    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_bf16, run_indptr, first, count, B,
+                           Hkv, G, D, scale, cap, out, lse, threads);
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
- * k and v pools of `num_slots` rows each; a slot out of range is skipped and counted. */
-int64_t rf_store_kv(float *k_pool, float *v_pool, int64_t num_slots, const int64_t *slots,
+ * k and v pools of `num_slots` rows each (bf16 when kv_bf16); a slot out of range is skipped
+ * and counted. */
+int64_t rf_store_kv(void *k_pool, void *v_pool, int64_t num_slots, const int64_t *slots,
                     const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
-                    int64_t width) {
+                    int64_t width, int kv_bf16) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++)
         bad += store_row(k_pool, v_pool, num_slots, slots[i], k + i * k_stride, v + i * v_stride,
-                         width);
+                         width, kv_bf16);
     return bad;
 }
 

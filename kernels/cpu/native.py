@@ -17,7 +17,8 @@ ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
   soname), so both share one pool; each call passes torch's thread count. A torch without
   libgomp gets a single-threaded build.
 - Every wrapper takes fp32 CPU tensors whose innermost dims are contiguous, and returns
-  None (the caller's cue to use torch) for anything else.
+  None (the caller's cue to use torch) for anything else; KV pools may also be bf16
+  (--kv-cache-dtype bf16): loaded widened to fp32, stored rounded to nearest even.
 - A decode-only step's rope, KV store and attention are one call
   (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
   Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
@@ -44,15 +45,15 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name: (restype, argtypes)
     "rf_decode_attention": (
         _C,
-        [_P, _I, _P, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C],
+        [_P, _I, _P, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C],
     ),
     "rf_rms_norm": (None, [_P, _I, _P, _I, _P, _F, _I, _I, _P, _P, _C]),
     "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
-    "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]),
-    "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I]),
+    "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C, _C]),
+    "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _C]),
     "rf_rope_decode_attention": (
         _I,
-        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C],
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C],
     ),
     "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
 }
@@ -143,6 +144,20 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _pool_kind(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
+    """The kernels' kv_bf16 flag for a pair of contiguous CPU pools of one shape: 0 fp32,
+    1 bf16; None for anything else."""
+    if not (
+        k_pool.is_cpu
+        and k_pool.dtype == v_pool.dtype
+        and k_pool.shape == v_pool.shape
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+    ):
+        return None
+    return {torch.float32: 0, torch.bfloat16: 1}.get(k_pool.dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -151,7 +166,8 @@ def decode_attention(
     scale: float,
     logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """q (B, H, D) (rows any stride, heads contiguous) over pooled keys (num_slots, Hkv, D),
+    """q (B, H, D) (rows any stride, heads contiguous) over pooled keys (num_slots, Hkv, D)
+    (fp32 or bf16),
     request b reading the runs run_indptr[b] .. run_indptr[b + 1] - 1 of consecutive slots
     (first slot, count), `runs` = (run_indptr, first, count) -> out (B, H, D), lse (B, H);
     a request with no runs gets zeros and lse -inf. `logit_cap` > 0 soft-caps the scaled
@@ -160,10 +176,11 @@ def decode_attention(
     lib = library()
     b, h, d = q.shape
     hkv = k_pool.shape[1]
+    kind = _pool_kind(k_pool, v_pool)
     if (
         lib is None
-        or not _fits(q, k_pool, v_pool)
-        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
+        or kind is None
+        or not _fits(q)
         or q.stride()[1:] != (d, 1)
         or k_pool.shape[2] != d
         or h % hkv
@@ -175,7 +192,7 @@ def decode_attention(
     status = lib.rf_decode_attention(
         q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), run_indptr.data_ptr(),
         first.data_ptr(), count.data_ptr(), b, hkv, h // hkv, d, scale, logit_cap, out.data_ptr(),
-        lse.data_ptr(), torch.get_num_threads(),
+        lse.data_ptr(), torch.get_num_threads(), kind,
     )  # fmt: skip
     return (out, lse) if status == 0 else None
 
@@ -201,8 +218,10 @@ def rope_decode_attention(
     when the kernel cannot allocate."""
     lib = library()
     b, hkv, d = qkv.shape[0], k_pool.shape[1], k_pool.shape[2]
+    kind = _pool_kind(k_pool, v_pool)
     if (
         lib is None
+        or kind is None
         or qkv.dim() != 2
         or qkv.shape[1] != (num_heads + 2 * hkv) * d
         or qkv.stride(1) != 1
@@ -210,9 +229,6 @@ def rope_decode_attention(
         or not _fits(qkv, cos, sin)
         or not (cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel())
         or cos.numel() != b * cos.shape[-1]
-        or not _fits(k_pool, v_pool)
-        or not (k_pool.is_contiguous() and v_pool.is_contiguous())
-        or k_pool.shape != v_pool.shape
         or slots.dtype != torch.int64
         or not slots.is_contiguous()
         or len(slots) != b
@@ -225,7 +241,7 @@ def rope_decode_attention(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
         run_indptr.data_ptr(), first.data_ptr(), count.data_ptr(), b, hkv, num_heads // hkv, d,
-        scale, logit_cap, out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+        scale, logit_cap, out.data_ptr(), lse.data_ptr(), torch.get_num_threads(), kind,
     )  # fmt: skip
     if status > 0:
         raise IndexError(f"{status} of {b} slots outside the pool of {k_pool.shape[0]}")
@@ -305,7 +321,7 @@ def rope(
             k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
             k_pool.shape[1], v.data_ptr(), v.stride(0),
         )),
-        torch.get_num_threads(),
+        torch.get_num_threads(), 0 if store is None else _pool_kind(k_pool, v_pool),
     )  # fmt: skip
     if bad:
         raise IndexError(f"{bad} of {t} slots outside the pool of {k_pool.shape[0]}")
@@ -315,13 +331,12 @@ def rope(
 def _store_fits(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
 ) -> bool:
-    """Whether the native store takes these: fp32 contiguous pools (num_slots, Hkv, D) of one
-    shape, int64 contiguous slots, one per row of v (rows any stride, heads contiguous)."""
+    """Whether the native store takes these: fp32 or bf16 contiguous pools (num_slots, Hkv, D)
+    of one shape and dtype, int64 contiguous slots, one fp32 row of v per slot (rows any
+    stride, heads contiguous)."""
     return (
-        _fits(k_pool, v_pool, v)
-        and k_pool.is_contiguous()
-        and v_pool.is_contiguous()
-        and k_pool.shape == v_pool.shape
+        _pool_kind(k_pool, v_pool) is not None
+        and _fits(v)
         and slots.dtype == torch.int64
         and slots.is_contiguous()
         and len(slots) == v.shape[0]
@@ -352,6 +367,7 @@ def store_kv(
     bad = lib.rf_store_kv(
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), len(slots), width,
+        _pool_kind(k_pool, v_pool),
     )  # fmt: skip
     if bad:
         raise IndexError(f"{bad} of {len(slots)} slots outside the pool of {k_pool.shape[0]}")

@@ -35,7 +35,7 @@ from radixflow.runtime.distributed.tensor_parallel import (
     rank_device,
     spawn_worker,
 )
-from radixflow.runtime.model_executor.kv_sizing import size_kv_pool
+from radixflow.runtime.model_executor.kv_sizing import kv_cache_dtype, size_kv_pool
 from radixflow.runtime.model_executor.model_runner import ModelRunner
 from radixflow.runtime.models.loader import resolve_model_dir
 
@@ -73,6 +73,7 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
             num_slots,
             seed=config.seed,
             shared_prefix=not config.disable_shared_prefix_attention,
+            kv_dtype=kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
         )
         while (plan := tp.recv_plan()) is not None:
             runner.forward(plan)

@@ -209,6 +209,7 @@ class ModelRunner:
         graph_backend: str = "cuda",
         prefault: bool = False,
         governor: ThreadGovernor | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.governor = governor  # --num-threads auto: threads follow the free cores
@@ -216,8 +217,11 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         c = model.config
         shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
-        self.k_caches = zeroed_cache(shape, self.dtype, self.device)
-        self.v_caches = zeroed_cache(shape, self.dtype, self.device)
+        # --kv-cache-dtype: a bf16 pool beside fp32 weights halves the KV memory; attention
+        # reads it upcast (the native CPU kernels convert as they load)
+        self.kv_dtype = kv_dtype or self.dtype
+        self.k_caches = zeroed_cache(shape, self.kv_dtype, self.device)
+        self.v_caches = zeroed_cache(shape, self.kv_dtype, self.device)
         # each layer's pool as a view, made once: indexing the stacked pool per layer and step
         # was 2 select ops a layer (60 a step for SmolLM2), each dispatched through torch
         self.k_layers, self.v_layers = self.k_caches.unbind(0), self.v_caches.unbind(0)

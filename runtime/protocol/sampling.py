@@ -33,6 +33,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None  # a grammar in GBNF (SGLang's ebnf; Lark syntax too): llguidance
+    # SGLang's structural tag (JSON text): free text, and a grammar from each trigger on
+    # (runtime/constrained/triggered.py; also tool_choice auto and reasoning)
+    structural_tag: str | None = None
     choices: tuple[str, ...] | None = None
     seed: int | None = None
     stop_regex: tuple[str, ...] = ()  # generation stops when the generated text matches one
@@ -52,6 +55,8 @@ class SamplingParams:
             return ("json", self.json_schema)
         if self.ebnf:
             return ("ebnf", self.ebnf)
+        if self.structural_tag:
+            return ("structural_tag", self.structural_tag)
         if self.choices:
             return ("choices", json.dumps(list(self.choices)))
         return None
@@ -82,9 +87,11 @@ class SamplingParams:
             problem = regex_problem(pattern)
             if problem:
                 raise ValueError(f"invalid sampling parameter stop_regex={pattern!r}: {problem}")
-        constraints = (self.regex, self.json_schema, self.ebnf, self.choices)
+        constraints = (self.regex, self.json_schema, self.ebnf, self.choices, self.structural_tag)
         if sum(x is not None and x != () for x in constraints) > 1:
-            raise ValueError("at most one of regex, json_schema, ebnf and choices may be set")
+            raise ValueError(
+                "at most one of regex, json_schema, ebnf, choices and structural_tag may be set"
+            )
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -131,7 +138,7 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
         ):
             raise bad()
         return tuple(value)
-    if name == "json_schema":
+    if name in ("json_schema", "structural_tag"):
         if isinstance(value, dict):
             return json.dumps(value)
         if not isinstance(value, str):

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -95,7 +96,6 @@ SAMPLING_NOOP = {
     "spaces_between_special_tokens": None,  # any bool: fast tokenizers ignore it
     "stream_interval": None,  # any value: every step's tokens are streamed
     "no_stop_trim": False,
-    "structural_tag": None,
     "custom_params": None,
     "beam_width": None,
 }
@@ -145,6 +145,13 @@ def json_response(value: Any, status: int = 200) -> web.Response:
 
 def new_rid() -> str:
     return uuid.uuid4().hex
+
+
+async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`first`, then what `rest` yields (a stream's first reply, read before its head)."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 # ---- body validation -------------------------------------------------------------------
@@ -297,19 +304,17 @@ JSON_OBJECT = {
 def response_format(value: Any, nested: bool = True) -> dict[str, Any]:
     """OpenAI's response_format as a constraint: json_object any JSON object (`nested`: the
     llguidance backend; outlines-core gets an object of scalar values, JSON_OBJECT), json_schema
-    the given schema, numeric bounds included (both through the constrained decoder)."""
+    the given schema, numeric bounds included (both through the constrained decoder), SGLang's
+    structural_tag (runtime/constrained/triggered.py)."""
     if value is None:
         return {}
-    if not isinstance(value, dict) or value.get("type") not in (
-        "text",
-        "json_object",
-        "json_schema",
-    ):
-        raise HttpError(
-            400, "response_format.type must be text, json_object or json_schema", "response_format"
-        )
+    kinds = ("text", "json_object", "json_schema", "structural_tag")
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise HttpError(400, f"response_format.type must be one of {kinds}", "response_format")
     if value["type"] == "text":
         return {}
+    if value["type"] == "structural_tag":  # SGLang's; checked by the grammar layer
+        return {"structural_tag": json.dumps(value)}
     if value["type"] == "json_object":
         return {"json_schema": json.dumps(ANY_OBJECT if nested else JSON_OBJECT)}
     spec = value.get("json_schema")

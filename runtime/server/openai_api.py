@@ -5,8 +5,8 @@ fields SGLang adds (`regex`, `top_k`, `min_p`, ...) and the ones its router inse
 Each choice is one scheduler request; the `n` choices of a prompt are submitted in one batch
 so they are admitted together and prefill the prompt's KV once. Chat messages are rendered
 with the model's own chat template (the tokenizer's), then tokenized here, so `usage` counts
-exactly the tokenizer's tokens. `response_format` (json_object, json_schema) and `regex` go
-through the constrained decoder.
+exactly the tokenizer's tokens. `response_format` (json_object, json_schema, structural_tag),
+`regex` and `ebnf` go through the constrained decoder.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from radixflow.runtime.server.http_request import (
     clean_sampling,
     error_body,
     is_int_list,
+    prepend,
     response_format,
     typed,
 )
@@ -157,10 +158,11 @@ class OpenAiRoutes:
         return body
 
     def sampling(
-        self, body: dict[str, Any], prompt_len: int, max_key: str, constraint: dict[str, str]
+        self, body: dict[str, Any], prompt_len: int, max_key: str, plan: ChatPlan | None
     ) -> dict[str, Any]:
         """OpenAI's fields as SGLang's sampling_params (SamplingParams checks the values);
-        `constraint` is what the request's tools require (a second constraint is a 400)."""
+        a chat `plan` adds what the request's tools require (a second constraint is a 400)
+        and starts constraints after the reasoning."""
         context = self.server.model_info["context_length"]
         default = min(self.server.config.max_new_tokens_limit, max(context - prompt_len, 0))
         params: dict[str, Any] = {"max_new_tokens": default}
@@ -194,9 +196,11 @@ class OpenAiRoutes:
                 params["max_new_tokens"] = body["max_tokens"]
         nested = self.server.config.grammar_backend == "llguidance"
         params.update(response_format(body.get("response_format"), nested))
-        if constraint and any(params.get(k) for k in ("regex", "json_schema", "ebnf")):
-            raise HttpError(400, "tool_choice required (or named) takes no other constraint")
-        params.update(constraint)
+        if plan is not None:
+            try:
+                params = plan.sampling(params)
+            except ValueError as e:  # ToolError, or a json_schema that is not JSON
+                raise HttpError(400, str(e), "tool_choice") from e
         return clean_sampling(params, "")
 
     def choices_of(
@@ -205,7 +209,7 @@ class OpenAiRoutes:
         body: dict[str, Any],
         max_key: str,
         top: int,
-        constraint: dict[str, str] | None = None,
+        plan: ChatPlan | None = None,
     ) -> list[Generate]:
         n = typed(body, "n", int, 1)
         if not 1 <= n <= 64:
@@ -214,7 +218,7 @@ class OpenAiRoutes:
         want_logprobs = top >= 0
         msgs = []
         for ids in prompts:
-            base = self.sampling(body, len(ids), max_key, constraint or {})
+            base = self.sampling(body, len(ids), max_key, plan)
             for j in range(n):
                 params = dict(base)
                 if n > 1 and type(params.get("seed")) is int:
@@ -265,7 +269,7 @@ class OpenAiRoutes:
             body,
             "max_completion_tokens",
             (top or 0) if logprobs else -1,
-            plan.constraint,
+            plan,
         )
         return await self.respond(request, body, msgs, plan)
 
@@ -352,7 +356,6 @@ class OpenAiRoutes:
         chat = plan is not None
         obj = "chat.completion.chunk" if chat else "text_completion"
         chats = [ChatStream(plan) for _ in sinks] if plan is not None else []
-        response = await self.door.sse(request)
         shown = [""] * len(sinks)
         streamed = [0] * len(sinks)  # logprob entries sent so far, per choice
         metas: list[dict[str, Any] | None] = [None] * len(sinks)
@@ -380,8 +383,10 @@ class OpenAiRoutes:
                     chunk["usage"] = None
                 await self.door.event(response, chunk)
 
-        if chat:
-            for i in range(len(sinks)):
+        async with contextlib.aclosing(self.door.replies(sinks)) as replies:
+            first_reply = await self.door.first_reply(replies)  # a refusal: its status
+            response = await self.door.sse(request)
+            for i in range(len(sinks) if chat else 0):
                 first = {
                     "index": i,
                     "delta": {"role": "assistant", "content": ""},
@@ -389,8 +394,7 @@ class OpenAiRoutes:
                     "finish_reason": None,
                 }
                 await self.door.event(response, {**head, "object": obj, "choices": [first]})
-        async with contextlib.aclosing(self.door.replies(sinks)) as replies:
-            async for i, reply in replies:
+            async for i, reply in prepend(first_reply, replies):
                 if isinstance(reply, Error):
                     status = 503 if reply.code in ("unavailable", "shutdown") else 400
                     await self.door.event(

@@ -7,6 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.kv_sizing import GIB, kv_bytes_per_token, size_kv_pool
@@ -15,7 +16,8 @@ SMOLLM2_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads,
 
 
 def fake_model(layers: int = 30, kv_heads: int = 3, head_dim: int = 64, dtype_bytes: int = 4):
-    param = SimpleNamespace(element_size=lambda: dtype_bytes)
+    dtype = {4: torch.float32, 2: torch.bfloat16, 1: torch.int8}[dtype_bytes]
+    param = SimpleNamespace(element_size=lambda: dtype_bytes, dtype=dtype)
     config = SimpleNamespace(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_position=8192
     )

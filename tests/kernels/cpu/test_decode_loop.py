@@ -44,7 +44,9 @@ def counted(monkeypatch, loop) -> list[int | None]:
 
 def test_smollm2_qualifies(model) -> None:
     loop = model.decode_loop
-    assert loop is not None and len(loop.weights[2]) == model.config.num_layers
+    # four projections a layer, each its quantized ranges (SmolLM2 loads from its GGUF blocks)
+    assert loop is not None and len(loop.weights[2]) == 4 * model.config.num_layers
+    assert all(meta for meta in loop.weights[3])
 
 
 def test_decode_steps_give_the_python_layers_logits_bit_for_bit(engine, model, monkeypatch):

@@ -24,7 +24,25 @@ def test_both_layouts_are_available_on_x86_cpu_builds() -> None:
 
     if platform.machine() in ("x86_64", "AMD64"):
         assert WAYS == ["mkl", "onednn"]
-    assert not prepack.available(CPU, torch.bfloat16)
+    bf16 = ["onednn"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else []
+    assert prepack.available_ways(CPU, torch.bfloat16) == bf16  # MKL packs fp32 only
+    assert not prepack.available(CPU, torch.float16)
+
+
+@pytest.mark.skipif(not prepack.available(CPU, torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+def test_bf16_pack_equals_f_linear_to_bf16_rounding(rows: int) -> None:
+    """--dtype bfloat16: oneDNN's bf16 pack gives F.linear's bf16 result to bf16's rounding
+    (both accumulate in fp32), and the pack-time check accepts it."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 40, generator=gen).bfloat16()
+    x = torch.randn(rows, 40, generator=gen).bfloat16()
+    packed = prepack.pack(weight, "onednn", min_rows=1)
+    got = prepack.linear(x, weight, packed)
+    assert got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=2e-2)
+    assert prepack.agrees(weight, packed)
 
 
 @pytest.mark.parametrize("way", WAYS)
