@@ -59,7 +59,7 @@ _EXPORTS = {
     "radixflow.state": ("ProgramState", "ProgramStateGroup"),
     "radixflow.ir": ("REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "REGEX_STRING"),
     "radixflow.backend": ("Runtime", "RuntimeEndpoint"),
-    "radixflow.transport": ("RuntimeEndpointError",),
+    "radixflow.transport": ("Liveness", "RuntimeEndpointError"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -14,6 +14,7 @@ against an SGLang server, with the same methods and errors.
 from __future__ import annotations
 
 import atexit
+import math
 import queue
 import re
 import signal
@@ -28,35 +29,48 @@ from typing import Any
 from radixflow.chat_template import ChatTemplate, template_for_model
 from radixflow.http_transport import HttpTransport
 from radixflow.runtime.config import config_from_kwargs
-from radixflow.transport import GenerateRequest, RuntimeEndpointError, Transport
+from radixflow.transport import (
+    DEFAULT_LIVENESS,
+    GenerateRequest,
+    Liveness,
+    RuntimeEndpointError,
+    Transport,
+)
 from radixflow.zmq_transport import ZmqTransport
 
 READY_PREFIX = "radixflow ready on "
 READY_ADDRESSES = re.compile(r"(https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP only
 
 
-def open_transport(address: str, api_key: str) -> Transport:
+CONTROL_TIMEOUT_S = 60.0  # model info, stats, health, abort when the endpoint sets no timeout
+
+
+def open_transport(address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> Transport:
     """HTTP for http:// and https:// addresses, ZeroMQ (tcp://, ipc://) for the others."""
     if address.startswith(("http://", "https://")):
-        return HttpTransport(address, api_key)
-    return ZmqTransport(address, api_key)
+        return HttpTransport(address, api_key, liveness)
+    return ZmqTransport(address, api_key, liveness)
 
 
 class RuntimeEndpoint:
     """A thread-safe client of one radixflow (or SGLang) server. Calls block until their
     reply; they raise RuntimeEndpointError on an error reply, after `timeout` seconds without
-    the reply (the whole call, or each chunk when streaming; `math.inf` waits for good; a
-    timed-out generation is aborted on the server), or at once when the server is unreachable
-    or goes away (a dropped connection, a server killed). `timeout` may be changed later."""
+    the reply (the whole call, or each chunk when streaming; a timed-out generation is aborted
+    on the server), or at once when the server is unreachable or goes away (a dropped
+    connection, a server killed). `timeout` None (the default, as SGLang's): generation,
+    score and cache calls wait as long as the server reports their request alive, and log why
+    when they wait long (`liveness`); the other calls wait CONTROL_TIMEOUT_S. `timeout` may be
+    changed later."""
 
     def __init__(
         self,
         address: str = "tcp://127.0.0.1:30001",
         api_key: str | None = None,
-        timeout: float = 60.0,
+        timeout: float | None = None,
+        liveness: Liveness = DEFAULT_LIVENESS,
     ) -> None:
         self.address, self.api_key, self.timeout = address, api_key, timeout
-        self.transport = open_transport(address, api_key or "")
+        self.transport = open_transport(address, api_key or "", liveness)
         weakref.finalize(self, self.transport.close)  # an endpoint never closed stops anyway
         self._model_info: dict[str, Any] | None = None
 
@@ -117,37 +131,38 @@ class RuntimeEndpoint:
     ) -> list[dict[str, Any]]:
         """Logprobs of each continuation's tokens after `prefix` (one batch on the server):
         [{"text", "token_ids", "logprobs", "unconditional_logprobs" (or None)}]."""
-        return self.transport.score(prefix, list(continuations), unconditional, self.timeout)
+        timeout = self._timeout(None)
+        return self.transport.score(prefix, list(continuations), unconditional, timeout)
 
     def cache_prefix(self, text: str) -> dict[str, Any]:
         """Prefill `text` into the radix cache; returns its meta_info."""
-        return self.transport.cache_prefix(text, self.timeout)
+        return self.transport.cache_prefix(text, self._timeout(None))
 
     # ---- control --------------------------------------------------------------------------
 
     def abort(self, rid: str) -> bool:
         """Abort request `rid` (idempotent); True when it was still in flight."""
-        return self.transport.abort(rid, self.timeout)
+        return self.transport.abort(rid, self._control_timeout())
 
     def flush_cache(self) -> bool:
         """Drop the radix cache; False while requests run (nothing is dropped then)."""
-        return self.transport.flush_cache(self.timeout)
+        return self.transport.flush_cache(self._control_timeout())
 
     def model_info(self) -> dict[str, Any]:
         """The served model (asked once, then a copy of the answer)."""
         if self._model_info is None:
-            self._model_info = self.transport.model_info(self.timeout)
+            self._model_info = self.transport.model_info(self._control_timeout())
         return dict(self._model_info)
 
     def stats(self) -> dict[str, Any]:
-        return self.transport.stats(self.timeout)
+        return self.transport.stats(self._control_timeout())
 
     def health(self) -> dict[str, Any]:
-        return self.transport.health(self.timeout)
+        return self.transport.health(self._control_timeout())
 
     def get_server_info(self) -> dict[str, Any]:
         """ZeroMQ: the model info and stats in one dict; HTTP: SGLang's /server_info."""
-        return self.transport.server_info(self.timeout)
+        return self.transport.server_info(self._control_timeout())
 
     def close(self) -> None:
         self.transport.close()
@@ -168,7 +183,7 @@ class RuntimeEndpoint:
 
     def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
         """SGLang's fork join (the radix cache already holds every branch)."""
-        self.transport.concatenate_and_append(src_rids, dst_rid, self.timeout)
+        self.transport.concatenate_and_append(src_rids, dst_rid, self._control_timeout())
 
     def start_profile(self) -> None:
         raise RuntimeEndpointError("profiling is not implemented by radixflow", "unsupported")
@@ -176,7 +191,13 @@ class RuntimeEndpoint:
     stop_profile = start_profile
 
     def _timeout(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
+        """A call's own timeout, else the endpoint's, else none (the request is watched)."""
+        if timeout is not None:
+            return timeout
+        return math.inf if self.timeout is None else self.timeout
+
+    def _control_timeout(self) -> float:
+        return CONTROL_TIMEOUT_S if self.timeout is None else self.timeout
 
 
 class Runtime:

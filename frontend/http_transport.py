@@ -7,12 +7,20 @@ ZeroMQ `score` message, so both doors give select the same decision). Where that
 missing (sglang-router forwards SGLang's routes only; an SGLang server) score goes through
 `/generate` with input logprobs, one prompt per request. One httpx client (thread-safe,
 pooled) is shared by every program thread.
+
+Without a timeout a generation waits as long as its connection stays open: a server that dies
+closes it and the call fails at once. A call waiting longer than `Liveness.log_after_s` is
+logged with the server's load (`/get_load`: queued and running requests) by a watcher thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,45 +34,57 @@ from radixflow.runtime.protocol.messages import (
     ERROR_UNAUTHORIZED,
     ERROR_UNAVAILABLE,
 )
-from radixflow.transport import GenerateRequest, RuntimeEndpointError
+from radixflow.transport import (
+    DEFAULT_LIVENESS,
+    GenerateRequest,
+    Liveness,
+    RuntimeEndpointError,
+)
 
+log = logging.getLogger("radixflow")
+CONNECT_TIMEOUT_S = 10.0  # longest wait to connect, even for a call without a timeout
 CODE_OF_STATUS = {400: ERROR_INVALID_REQUEST, 401: ERROR_UNAUTHORIZED, 503: ERROR_UNAVAILABLE}
 
 
 class HttpTransport:
     """`Transport` over one pooled httpx client (see `Transport` for what blocks and raises)."""
 
-    def __init__(self, address: str, api_key: str) -> None:
+    def __init__(self, address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.address = address.rstrip("/")
         self.client = httpx.Client(base_url=self.address, headers=headers, timeout=None)
         self.score_route = True  # until a 404 says the server has no /radixflow/score
+        self.watcher = Watcher(self, liveness)
 
     # ---- the Transport methods ------------------------------------------------------------
 
     def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
-        return self._json("POST", "/generate", _generate_body(request), timeout)
+        with self.watcher.waiting(request.rid or "generate"):
+            return self._json("POST", "/generate", _generate_body(request), timeout)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
         body, seen = {**_generate_body(request), "stream": True}, 0
-        for event in self._events("/generate", body, timeout):
-            meta = dict(event.get("meta_info") or {})
-            if "output_token_logprobs" in meta:  # the server's are cumulative
-                meta["output_token_logprobs"] = meta["output_token_logprobs"][seen:]
-                seen += len(meta["output_token_logprobs"])
-            yield {
-                "text": event.get("text", ""),
-                "output_ids": event.get("output_ids", []),
-                "meta_info": meta,
-                "finished": meta.get("finish_reason") is not None,
-            }
+        with self.watcher.waiting(request.rid or "generate (streamed)") as call:
+            for event in self._events("/generate", body, timeout):
+                meta = dict(event.get("meta_info") or {})
+                if "output_token_logprobs" in meta:  # the server's are cumulative
+                    meta["output_token_logprobs"] = meta["output_token_logprobs"][seen:]
+                    seen += len(meta["output_token_logprobs"])
+                call.tokens = len(event.get("output_ids", []))
+                yield {
+                    "text": event.get("text", ""),
+                    "output_ids": event.get("output_ids", []),
+                    "meta_info": meta,
+                    "finished": meta.get("finish_reason") is not None,
+                }
 
     def score(
         self, prefix: str, continuations: list[str], unconditional: bool, timeout: float
     ) -> list[dict[str, Any]]:
         body = {"prefix": prefix, "continuations": continuations, "unconditional": unconditional}
         if self.score_route:
-            response = self._call("POST", "/radixflow/score", body, timeout)
+            with self.watcher.waiting("score"):
+                response = self._call("POST", "/radixflow/score", body, timeout)
             if response.status_code != 404:
                 self._check(response)
                 return response.json()["choices"]
@@ -102,7 +122,8 @@ class HttpTransport:
     def cache_prefix(self, text: str, timeout: float) -> dict[str, Any]:
         """SGLang's way: a generate with max_new_tokens=0."""
         body = {"text": text, "sampling_params": {"max_new_tokens": 0}}
-        return self._json("POST", "/generate", body, timeout)["meta_info"]
+        with self.watcher.waiting("cache_prefix"):
+            return self._json("POST", "/generate", body, timeout)["meta_info"]
 
     def concatenate_and_append(self, src_rids: list[str], dst_rid: str, timeout: float) -> None:
         body = {"src_rids": src_rids, "dst_rid": dst_rid}
@@ -135,6 +156,7 @@ class HttpTransport:
         return self._json("GET", "/server_info", None, timeout)
 
     def close(self) -> None:
+        self.watcher.stop()
         self.client.close()
 
     # ---- requests and their errors --------------------------------------------------------
@@ -187,6 +209,71 @@ class HttpTransport:
             raise RuntimeEndpointError(f"lost {self.address}: {e}", ERROR_DISCONNECTED) from e
 
 
+class Call:
+    """One call a Watcher follows."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.since = self.logged = time.monotonic()
+        self.tokens: int | None = None  # streamed tokens so far
+
+
+class Watcher:
+    """Logs why calls wait long: a daemon thread, started with the first call, that reads the
+    server's `/get_load` for calls waiting past `log_after_s` (every `log_after_s`)."""
+
+    def __init__(self, transport: HttpTransport, liveness: Liveness) -> None:
+        self.transport, self.liveness = transport, liveness
+        self.calls: set[Call] = set()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def waiting(self, name: str) -> Iterator[Call]:
+        call = Call(name)
+        with self.lock:
+            self.calls.add(call)
+            if self.thread is None and not self.stopped.is_set():
+                self.thread = threading.Thread(target=self._run, name="radixflow-http-watch")
+                self.thread.daemon = True
+                self.thread.start()
+        try:
+            yield call
+        finally:
+            with self.lock:
+                self.calls.discard(call)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(min(self.liveness.interval_s, self.liveness.log_after_s)):
+            now = time.monotonic()
+            with self.lock:
+                due = [c for c in self.calls if now - c.logged >= self.liveness.log_after_s]
+            if due:
+                load = self._load()
+                for call in due:
+                    call.logged = now
+                    log.info("%s", self._line(call, now, load))
+
+    def _load(self) -> str:
+        try:
+            response = self.transport.client.get("/get_load", timeout=self.liveness.interval_s)
+            load = response.json()[0]
+            return f"{load['num_waiting_reqs']} queued of {load['num_reqs']} requests"
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            return f"no load report ({type(e).__name__})"
+
+    def _line(self, call: Call, now: float, load: str) -> str:
+        progress = "" if call.tokens is None else f", {call.tokens} tokens so far"
+        return (
+            f"waiting for request {call.name} for {now - call.since:.0f}s{progress}; the server"
+            f" at {self.transport.address} holds the connection open: {load}"
+        )
+
+
 def _sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     for line in response.iter_lines():
         if not line.startswith("data:"):
@@ -203,7 +290,10 @@ def _sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 
 
 def _timeout(seconds: float) -> httpx.Timeout:
-    return httpx.Timeout(None if math.isinf(seconds) else seconds)
+    """No limit on the wait for the reply when `seconds` is inf, but a bounded connect."""
+    if math.isinf(seconds):
+        return httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+    return httpx.Timeout(seconds)
 
 
 def _values(entries: list[Any]) -> list[float]:

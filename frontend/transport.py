@@ -37,13 +37,31 @@ class GenerateRequest:
     rid: str | None = None
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """How a transport watches the requests it waits on, so a call without a timeout waits
+    exactly as long as the server reports its request alive (as SGLang's client does). Every
+    `interval_s` it asks the server where the requests waited on longer than that stand: one
+    the server no longer knows fails at once, and no answer for `silence_s` fails them all (a
+    dead server fails sooner: its dropped connection fails every call). A call waiting longer
+    than `log_after_s` logs the server's answer (queue, tokens so far) every `log_after_s`."""
+
+    interval_s: float = 5.0
+    log_after_s: float = 30.0
+    silence_s: float = 120.0
+
+
+DEFAULT_LIVENESS = Liveness()
+
+
 @runtime_checkable
 class Transport(Protocol):
     """One server connection shared by every program thread: each method is thread-safe and
     blocks until its reply. Every method raises RuntimeEndpointError on an error reply (its
     `code` the server's ERROR_* name), when `timeout` seconds pass without the reply (the
-    whole call, or each chunk of a stream; `math.inf` waits for good; a timed-out generation
-    is aborted on the server), or at once when the server is unreachable or goes away."""
+    whole call, or each chunk of a stream; `math.inf` waits while the server reports the
+    request alive, see `Liveness`; a timed-out generation is aborted on the server), or at
+    once when the server is unreachable or goes away."""
 
     def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
         """-> {"text", "output_ids", "meta_info"} once the request finished."""

@@ -6,12 +6,16 @@ socket, callers hand it frames through a queue (and a wake-up pipe) and wait on 
 per-request reply queue. The I/O thread pings the server while requests are in flight (the
 server aborts requests of silent clients) and watches the connection: when it drops, every
 waiting call fails at once with RuntimeEndpointError, and no call waits past its timeout.
+Calls the scheduler serves (generate, score, cache_prefix, flush) are also watched through the
+server's `status` message (`Liveness`): a request the server no longer knows, or a server that
+stops answering, fails the call even without a timeout, and a long wait is logged with why.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import os
 import queue
@@ -27,6 +31,7 @@ import zmq.utils.monitor
 from radixflow.runtime.protocol.messages import (
     CLIENT_REPLIES,
     ERROR_DISCONNECTED,
+    ERROR_FAILED,
     ERROR_TIMEOUT,
     PING_INTERVAL_S,
     Abort,
@@ -41,28 +46,35 @@ from radixflow.runtime.protocol.messages import (
     ProtocolError,
     Score,
     Stats,
+    Status,
     decode,
     encode,
 )
-from radixflow.transport import GenerateRequest, RuntimeEndpointError
+from radixflow.transport import (
+    DEFAULT_LIVENESS,
+    GenerateRequest,
+    Liveness,
+    RuntimeEndpointError,
+)
 
 CONNECT_TIMEOUT_S = 10.0  # longest wait for the first connection before a call fails
+log = logging.getLogger("radixflow")
 
 
 class ZmqTransport:
     """`Transport` over a DEALER socket: each call is one message and its reply (see
     `Transport` for what blocks and raises)."""
 
-    def __init__(self, address: str, api_key: str) -> None:
+    def __init__(self, address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> None:
         self.address = address
-        self.connection = Connection(address, api_key)
+        self.connection = Connection(address, api_key, liveness)
 
     def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
         return self._call(_generate_message(request, stream=False), timeout, abort=True)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
         msg = _generate_message(request, stream=True)
-        waiter = self.connection.submit(msg, timeout)
+        waiter = self.connection.submit(msg, timeout, watch=True)
         output_ids: list[int] = []
         num_logprobs = 0
         finished = False
@@ -101,7 +113,7 @@ class ZmqTransport:
         return self._call(Abort(_new_rid(), rid), timeout)["aborted"]
 
     def flush_cache(self, timeout: float) -> bool:
-        return self._call(FlushCache(_new_rid()), timeout)["flushed"]
+        return self._call(FlushCache(_new_rid()), timeout, watch=True)["flushed"]
 
     def model_info(self, timeout: float) -> dict[str, Any]:
         return self._call(ModelInfo(_new_rid()), timeout)
@@ -119,9 +131,10 @@ class ZmqTransport:
     def close(self) -> None:
         self.connection.close()
 
-    def _call(self, msg: Any, timeout: float, abort: bool = False) -> Any:
-        """Send msg, wait for its one reply; a timed-out call is aborted when `abort`."""
-        waiter = self.connection.submit(msg, timeout)
+    def _call(self, msg: Any, timeout: float, abort: bool = False, watch: bool = False) -> Any:
+        """Send msg, wait for its one reply; a timed-out call is aborted when `abort`. The
+        scheduler's work (`abort` or `watch`) is watched by status queries."""
+        waiter = self.connection.submit(msg, timeout, watch=abort or watch)
         try:
             return _result(self._next(waiter, msg.rid, timeout))
         except RuntimeEndpointError as e:
@@ -176,17 +189,20 @@ def _new_rid() -> str:
 
 
 class Waiter:
-    """One request's reply queue: chunks, then one final reply (or a failure)."""
+    """One request's reply queue: chunks, then one final reply (or a failure). A watched one
+    is named in status queries once its frame went out (`sent`, set by the I/O thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: bool) -> None:
         self.replies: queue.Queue[Any] = queue.Queue()
+        self.watch, self.sent = watch, False
+        self.since = self.logged = time.monotonic()
 
 
 class Connection:
     """The I/O thread: owns the DEALER socket, routes replies to waiters by rid."""
 
-    def __init__(self, address: str, api_key: str) -> None:
-        self.address, self.api_key = address, api_key
+    def __init__(self, address: str, api_key: str, liveness: Liveness) -> None:
+        self.address, self.api_key, self.liveness = address, api_key, liveness
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -197,27 +213,30 @@ class Connection:
         events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
         self.monitor = self.socket.get_monitor_socket(events)
         self.socket.connect(address)
-        self.outbox: collections.deque[bytes] = collections.deque()
+        self.outbox: collections.deque[tuple[bytes, str]] = collections.deque()  # frame, rid
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_write, False)
         self.waiters: dict[str, Waiter] = {}
         self.lock = threading.Lock()
         self.connected = threading.Event()
         self.closed = False
+        self.status_rid = ""  # the status query waiting for its answer, if any
+        self.status_at = 0.0  # when it went out, or when the last one was answered
         self.thread = threading.Thread(target=self._run, name="radixflow-endpoint", daemon=True)
         self.thread.start()
 
     # ---- called from any thread -----------------------------------------------------------
 
-    def submit(self, message: Any, timeout: float) -> Waiter:
-        """Register a waiter for message.rid and send it. Raises RuntimeEndpointError."""
+    def submit(self, message: Any, timeout: float, watch: bool = False) -> Waiter:
+        """Register a waiter for message.rid and send it; a `watch`ed one is followed by status
+        queries. Raises RuntimeEndpointError."""
         if not self.connected.wait(min(timeout, CONNECT_TIMEOUT_S)):
             raise RuntimeEndpointError(
                 f"cannot reach a radixflow server at {self.address} (no connection after "
                 f"{min(timeout, CONNECT_TIMEOUT_S):.0f}s)",
                 ERROR_DISCONNECTED,
             )
-        waiter = Waiter()
+        waiter = Waiter(watch)
         with self.lock:
             if self.closed:
                 raise RuntimeEndpointError("the endpoint is closed")
@@ -227,7 +246,7 @@ class Connection:
 
     def send(self, message: Any) -> None:
         """Queue a frame for the I/O thread (no reply expected or already registered)."""
-        self.outbox.append(encode(message, self.api_key))
+        self.outbox.append((encode(message, self.api_key), getattr(message, "rid", "")))
         self._wake()
 
     def _wake(self) -> None:
@@ -259,11 +278,16 @@ class Connection:
         poller.register(self.wake_read, zmq.POLLIN)
         last_ping = 0.0
         while not self.closed:
-            ready = dict(poller.poll(int(PING_INTERVAL_S * 500)))
+            wait_s = min(PING_INTERVAL_S / 2, self.liveness.interval_s)
+            ready = dict(poller.poll(int(wait_s * 1000)))
             if self.wake_read in ready:
                 os.read(self.wake_read, 4096)
             while self.outbox:
-                self.socket.send(self.outbox.popleft())
+                frame, rid = self.outbox.popleft()
+                self.socket.send(frame)
+                with self.lock:
+                    if rid in self.waiters:
+                        self.waiters[rid].sent = True
             if self.socket in ready:
                 self._receive()
             if self.monitor in ready:
@@ -271,6 +295,8 @@ class Connection:
             if self.waiters and time.monotonic() - last_ping >= PING_INTERVAL_S:
                 self.socket.send(encode(Ping(), self.api_key))
                 last_ping = time.monotonic()
+            if self.waiters and self.connected.is_set():
+                self._watch(time.monotonic())
 
     def _receive(self) -> None:
         while True:
@@ -282,12 +308,63 @@ class Connection:
                 reply = decode(frame, CLIENT_REPLIES)
             except ProtocolError as e:
                 reply = Error(e.rid, e.code, f"unreadable reply from the server: {e}")
+            if self.status_rid and reply.rid == self.status_rid:
+                self._on_status(reply)
+                continue
             with self.lock:
                 waiter = self.waiters.get(reply.rid)
                 if waiter is not None and not isinstance(reply, Chunk):
                     del self.waiters[reply.rid]
             if waiter is not None:
                 waiter.replies.put(reply)
+
+    def _watch(self, now: float) -> None:
+        """Ask where the watched requests stand every `interval_s`; fail them when the server
+        leaves a question unanswered for `silence_s`."""
+        if self.status_rid:
+            if now - self.status_at > self.liveness.silence_s:
+                self.status_rid = ""
+                message = (
+                    f"the server at {self.address} stopped answering: no reply to a status "
+                    f"query in {self.liveness.silence_s:.0f}s"
+                )
+                self._fail_all(message, ERROR_TIMEOUT, watched_only=True)
+            return
+        if now - self.status_at < self.liveness.interval_s:
+            return
+        with self.lock:
+            rids = [
+                rid
+                for rid, w in self.waiters.items()
+                if w.watch and w.sent and now - w.since >= self.liveness.interval_s
+            ]
+        if rids:
+            self.status_rid, self.status_at = _new_rid(), now
+            self.socket.send(encode(Status(self.status_rid, rids), self.api_key))
+
+    def _on_status(self, reply: Any) -> None:
+        """A status answer (received after every reply the server sent before it): a request
+        still waited on that the server no longer knows is lost; a long wait is logged."""
+        self.status_rid, now = "", time.monotonic()
+        self.status_at = now
+        if isinstance(reply, Error):  # a server without `status` (older): only the timeout
+            log.warning("the server at %s cannot report request status: %s", self.address, reply)
+            self.liveness = Liveness(interval_s=math.inf)
+            return
+        data = reply.data
+        for rid, state in data.get("requests", {}).items():
+            with self.lock:
+                waiter = self.waiters.get(rid)
+                if waiter is not None and state.get("state") != "in_flight":
+                    del self.waiters[rid]
+            if waiter is None:
+                continue
+            if state.get("state") != "in_flight":
+                message = f"the server at {self.address} no longer knows request {rid} (lost)"
+                waiter.replies.put(Error(rid, ERROR_FAILED, message))
+            elif now - waiter.logged >= self.liveness.log_after_s:
+                waiter.logged = now
+                log.info("%s", waiting_line(rid, now - waiter.since, state, data))
 
     def _on_monitor(self, event: dict[str, Any]) -> None:
         if event["event"] == zmq.EVENT_CONNECTED:
@@ -296,8 +373,22 @@ class Connection:
             self.connected.clear()
             self._fail_all(f"lost the connection to the server at {self.address}", "disconnected")
 
-    def _fail_all(self, message: str, code: str) -> None:
+    def _fail_all(self, message: str, code: str, watched_only: bool = False) -> None:
         with self.lock:
-            waiters, self.waiters = self.waiters, {}
+            waiters = {r: w for r, w in self.waiters.items() if w.watch or not watched_only}
+            for rid in waiters:
+                del self.waiters[rid]
         for rid, waiter in waiters.items():
             waiter.replies.put(Error(rid, code, message))
+
+
+def waiting_line(rid: str, waited: float, state: dict[str, Any], data: dict[str, Any]) -> str:
+    """Why a call still waits, from the server's status answer."""
+    tokens = state.get("completion_tokens")
+    progress = "" if tokens is None else f", {tokens} tokens so far"
+    return (
+        f"waiting for request {rid} for {waited:.0f}s: the server reports it in flight for "
+        f"{state.get('seconds', 0):.0f}s{progress}; its scheduler runs "
+        f"{data.get('running_requests', 0)} requests and queues {data.get('waiting_requests', 0)}"
+        f" (server status: {data.get('status')})"
+    )

@@ -17,10 +17,12 @@ Framing
     unpacker's string/array/map limits derive from the same number.
 
 Client requests (client -> server), each with a client-chosen `rid` (unique among the
-client's requests in flight; abort by rid is global):
-    generate      text | input_ids (exactly one), sampling_params (SamplingParams names),
-                  stream, return_logprob, logprob_start_len (-1: output logprobs only),
-                  top_logprobs_num
+client's requests in flight, 1 to 256 characters where the scheduler serves it; abort by rid
+is global). A value the request cannot be served with (ranges, lengths, sampling) is an
+`invalid_request` error; a grammar the scheduler cannot build may instead end as `failed`:
+    generate      text | input_ids (exactly one), sampling_params (SamplingParams names;
+                  n must be 1: send n requests), stream, return_logprob, logprob_start_len
+                  (-1: output logprobs only), top_logprobs_num (0 to 64)
     score         prefix, continuations (non-empty strings), unconditional. Each
                   continuation is tokenized on its own (no special tokens) and appended to the
                   tokenized prefix; all continuations run as one batch of prefill-only requests
@@ -28,6 +30,9 @@ client's requests in flight; abort by rid is global):
     cache_prefix  text: prefill only (max_new_tokens = 0) so later requests hit the cache
     abort         target_rid: finish that request wherever it is (queued, chunking,
                   decoding); idempotent, an unknown or finished rid is not an error
+    status        target_rids: where each of those requests stands. A client waiting on a
+                  generation without a timeout asks every few seconds: a request the server
+                  answers for is alive, one it no longer knows is lost
     flush_cache, model_info, stats, health: no fields besides rid
     ping          no fields and no reply. A client with requests in flight sends one at least
                   every PING_INTERVAL_S; the server aborts the requests of a client it has not
@@ -63,6 +68,9 @@ Replies (server -> client), every one carrying the request's rid:
                           running/waiting requests, cache_hit_rate, ..., "idle_check": "ok" or
                           the failed invariant, or None while busy) and "server": counters
             health        {"ok": bool, "status": "ok" | "restarting" | "dead" | ..., ...}
+            status        {"requests": {target_rid: {"state": "in_flight", "seconds": s,
+                          "completion_tokens": n (streams only)} | {"state": "unknown"}},
+                          "running_requests", "waiting_requests" (the scheduler's), "status"}
     error   code (one of the ERROR_* names below), message. A frame that cannot be parsed far
             enough to find its rid is answered with an error whose rid is "".
     A request aborted by its client ends with a `result` whose finish_reason type is "abort";
@@ -187,6 +195,13 @@ class Health:
 
 
 @dataclass(frozen=True)
+class Status:
+    TAG: ClassVar[str] = "status"
+    rid: str
+    target_rids: list[str]
+
+
+@dataclass(frozen=True)
 class Ping:
     TAG: ClassVar[str] = "ping"
 
@@ -302,7 +317,18 @@ class FlushDone:
     flushed: bool
 
 
-CLIENT_REQUESTS = (Generate, Score, CachePrefix, Abort, FlushCache, ModelInfo, Stats, Health, Ping)
+CLIENT_REQUESTS = (
+    Generate,
+    Score,
+    CachePrefix,
+    Abort,
+    FlushCache,
+    ModelInfo,
+    Stats,
+    Health,
+    Status,
+    Ping,
+)
 CLIENT_REPLIES = (Chunk, Result, Error)
 TO_SCHEDULER = (AddRequests, AbortRequests, Flush, Shutdown)
 FROM_SCHEDULER = (SchedulerReady, RequestUpdates, SchedulerStats, FlushDone)

@@ -7,6 +7,7 @@ replies it causes (stream chunks, or exactly one final `Result`/`Error`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from radixflow.runtime.protocol.messages import (
@@ -47,6 +48,7 @@ class Job:
         self.rid = rid
         self.internal: list[str] = []  # scheduler rids, assigned by the server
         self.abort_requested = False
+        self.started = time.monotonic()
 
     def on_update(self, update: ReqUpdate) -> list[Any]:
         if not update.finished:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 import zmq
 
 import radixflow as sgl
+from conftest import finishes
 from radixflow.backend import RuntimeEndpoint
 from radixflow.http_transport import HttpTransport
 from radixflow.runtime.protocol.messages import (
@@ -25,10 +27,11 @@ from radixflow.runtime.protocol.messages import (
     Generate,
     ModelInfo,
     Result,
+    Status,
     decode,
     encode,
 )
-from radixflow.transport import RuntimeEndpointError, Transport
+from radixflow.transport import Liveness, RuntimeEndpointError, Transport
 from radixflow.zmq_transport import ZmqTransport
 
 # What both fake servers answer: three tokens, streamed one per chunk.
@@ -236,3 +239,97 @@ def test_both_doors_time_out_by_the_endpoints_current_timeout(
                     call()
                 assert info.value.code == "timeout", address
                 assert time.monotonic() - start < 5, address
+
+
+# ---- waiting without a timeout: the server's status is the liveness signal -----------------
+
+FAST_LIVENESS = Liveness(interval_s=0.1, log_after_s=0.4, silence_s=1.0)
+
+
+@pytest.fixture
+def slow_zmq_server() -> Iterator[tuple[str, dict[str, Any]]]:
+    """A ZeroMQ server that holds each generate for `behaviour["hold_s"]` (one chunk first when
+    streamed) and answers status for it as the real server does, or as "unknown" when
+    `behaviour["lost"]`; it stops answering anything when `behaviour["hung"]`."""
+    behaviour: dict[str, Any] = {"hold_s": 1.5, "lost": False, "hung": False, "asked": 0}
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    stop = threading.Event()
+    held: dict[str, tuple[bytes, float]] = {}
+
+    def answer(identity: bytes, msg: Any) -> list[Any]:
+        if isinstance(msg, Generate):
+            held[msg.rid] = (identity, time.monotonic())
+            return [Chunk(msg.rid, "a", [5], {})] if msg.stream else []
+        if isinstance(msg, Status):
+            behaviour["asked"] += 1
+            state = {"state": "unknown"} if behaviour["lost"] else {"state": "in_flight"}
+            states = {rid: {**state, "seconds": 1.0, "completion_tokens": 1} for rid in held}
+            data = {"requests": states, "running_requests": 1, "waiting_requests": 2}
+            return [Result(msg.rid, {**data, "status": "ok"})]
+        return []
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(20) and not behaviour["hung"]:
+                identity, frame = router.recv_multipart()
+                for reply in answer(identity, decode(frame, CLIENT_REQUESTS)):
+                    router.send_multipart([identity, encode(reply)])
+            for rid, (identity, since) in list(held.items()):
+                if time.monotonic() - since >= behaviour["hold_s"] and not behaviour["lost"]:
+                    del held[rid]
+                    router.send_multipart([identity, encode(Result(rid, RESULT))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield router.getsockopt(zmq.LAST_ENDPOINT).decode(), behaviour
+    stop.set()
+    thread.join(5)
+    ctx.destroy(linger=0)
+
+
+def test_no_timeout_waits_while_the_server_reports_the_request_and_says_why(
+    slow_zmq_server: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default (no timeout): a generation longer than any status interval completes, the
+    status queries are what kept it alive, and the long wait is logged with the server's view."""
+    address, behaviour = slow_zmq_server
+    caplog.set_level(logging.INFO, logger="radixflow")
+    with RuntimeEndpoint(address, liveness=FAST_LIVENESS) as endpoint:
+        assert endpoint.timeout is None
+        assert endpoint.generate("Hi", {"max_new_tokens": 3}) == RESULT
+        items = list(endpoint.generate_stream("Hi"))
+        assert items[-1]["finished"] and items[-1]["output_ids"] == [5, 6, 7]
+    assert behaviour["asked"] >= 10  # every 0.1 s over two 1.5 s waits
+    lines = [r.getMessage() for r in caplog.records if "waiting for request" in r.getMessage()]
+    assert len(lines) >= 4, lines  # each call waited past log_after_s several times
+    assert all("in flight" in line and "queues 2" in line for line in lines), lines
+    assert any("1 tokens so far" in line for line in lines), lines
+
+    with RuntimeEndpoint(address, timeout=0.5, liveness=FAST_LIVENESS) as endpoint:
+        start = time.monotonic()  # an explicit timeout still applies
+        with pytest.raises(RuntimeEndpointError) as info:
+            endpoint.generate("Hi")
+        assert info.value.code == "timeout" and time.monotonic() - start < 1.4
+
+
+def test_no_timeout_fails_a_request_the_server_lost_or_a_server_that_stops_answering(
+    slow_zmq_server: tuple[str, dict[str, Any]],
+) -> None:
+    address, behaviour = slow_zmq_server
+    behaviour["lost"] = True  # the server answers, but no longer knows the request
+    with RuntimeEndpoint(address, liveness=FAST_LIVENESS) as endpoint:
+        for call in (lambda: endpoint.generate("Hi"), lambda: list(endpoint.generate_stream("Hi"))):
+            start = time.monotonic()
+            with pytest.raises(RuntimeEndpointError) as info:
+                finishes(call, 5)  # without the status check: a hang, failed here
+            assert info.value.code == "failed" and "no longer knows" in str(info.value)
+            assert time.monotonic() - start < 1.0
+    behaviour.update(lost=False, hung=True)  # connected, but nothing answers
+    with RuntimeEndpoint(address, liveness=FAST_LIVENESS) as endpoint:
+        start = time.monotonic()
+        with pytest.raises(RuntimeEndpointError) as info:
+            finishes(lambda: endpoint.generate("Hi"), 5)
+        assert info.value.code == "timeout" and "stopped answering" in str(info.value)
+        assert 1.0 < time.monotonic() - start < 3.0

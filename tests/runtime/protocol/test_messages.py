@@ -28,6 +28,7 @@ SAMPLES = [
     m.ModelInfo("mi"),
     m.Stats("st"),
     m.Health("h"),
+    m.Status("q", target_rids=["g1", "g2"]),
     m.Ping(),
     m.Chunk("g2", text="Hi", new_ids=[5], meta_info={"completion_tokens": 1}),
     m.Result("g1", data={"text": "x", "output_ids": [1], "meta_info": {"id": "g1"}}),

@@ -1,7 +1,8 @@
 """Reliability of the server under bad input and faults, with real processes on loopback.
 
 Protocol fuzzing (hypothesis, 2,000+ generated frames through a raw DEALER socket while a
-correct client keeps checking greedy answers against the offline Engine), process faults (the
+correct client keeps checking greedy answers against the offline Engine; each answer checked
+against the test's own reading of the wire spec, never the server's decoder), process faults (the
 scheduler SIGKILLed mid-load, a client frozen mid-stream, the server SIGKILLed under programs
 and clients) and program-level faults in the DSL. One server for the module (self-check on, a
 small pool, one torch thread); the tests that kill the server start their own.
@@ -12,6 +13,7 @@ client process, hand-written bad frames); these extend them instead of repeating
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -27,6 +29,7 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from fuzz_schema import BAD, EITHER, Limits, is_int, sampling_verdict
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from test_server import wait_for, wait_idle
@@ -90,6 +93,7 @@ TEMPLATES: list[dict[str, Any]] = [
     {"t": "model_info", "rid": RID},
     {"t": "stats", "rid": RID},
     {"t": "health", "rid": RID},
+    {"t": "status", "rid": RID, "target_rids": ["no-such-request", RID]},
     {"t": "ping"},
 ]
 FIELD_NAMES = sorted({name for t in TEMPLATES for name in t} | {"v", "key", "unconditional"})
@@ -236,40 +240,186 @@ def build_frames(spec: FrameSpec, rid: str) -> list[bytes]:
 
 @dataclass
 class Expectation:
-    """What the server owes one fuzz frame: an error (code, rid) or, for a well-formed request,
-    one final reply with its rid; a valid ping gets nothing."""
+    """What the server owes one fuzz frame: one final reply with one of its rids, an error
+    whose code is in `error_codes` or, when `may_succeed`, a result; a valid ping gets nothing."""
 
     rids: tuple[str, ...]  # the rid its replies may carry
-    error_codes: set[str] | None = None  # None: a well-formed request
+    error_codes: set[str] = field(default_factory=set)
+    may_succeed: bool = False
     silent: bool = False
     dispatched: bool = False  # served by the scheduler: the reply may come later
 
 
-def expect(parts: list[bytes]) -> Expectation:
-    """The oracle, from the protocol spec in runtime/protocol/messages.py's docstring."""
+# The oracle: the client requests of the spec (runtime/protocol/messages.py's docstring), read
+# as a reader of that document would, without the server's decoder. Each field: its type check
+# and whether it is required.
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _optional(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(is_int(x) for x in v)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+RID_FIELD = {"rid": (_str, True)}
+SPEC_FIELDS: dict[str, dict[str, tuple[Any, bool]]] = {
+    "generate": {
+        **RID_FIELD,
+        "text": (_optional(_str), False),
+        "input_ids": (_optional(_int_list), False),
+        "sampling_params": (lambda v: isinstance(v, dict), False),
+        "stream": (_bool, False),
+        "return_logprob": (_bool, False),
+        "logprob_start_len": (is_int, False),
+        "top_logprobs_num": (is_int, False),
+    },
+    "score": {
+        **RID_FIELD,
+        "prefix": (_str, True),
+        "continuations": (_str_list, True),
+        "unconditional": (_bool, False),
+    },
+    "cache_prefix": {**RID_FIELD, "text": (_str, True)},
+    "abort": {**RID_FIELD, "target_rid": (_str, True)},
+    "status": {**RID_FIELD, "target_rids": (_str_list, True)},
+    **{tag: dict(RID_FIELD) for tag in ("flush_cache", "model_info", "stats", "health")},
+    "ping": {},
+}
+DISPATCHED = ("generate", "score", "cache_prefix", "flush_cache")  # served by the scheduler
+MAX_RID_CHARS, MAX_TOP_LOGPROBS = 256, 64  # the spec's bounds
+CANNOT_BUILD = {m.ERROR_INVALID_REQUEST, m.ERROR_FAILED}  # a grammar: refused, or failed
+
+
+class NotMsgpack(Exception):
+    """The frame is not one msgpack map of the spec's kind."""
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise NotMsgpack(f"ext type {code}")
+
+
+def _string_keys(value: Any) -> bool:
+    """Whether every map inside `value` has string keys only."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _string_keys(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_string_keys(v) for v in value)
+    return True
+
+
+def _unpack(frame: bytes) -> Any:
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False, ext_hook=_no_ext)
+    except (ValueError, TypeError, NotMsgpack, msgpack.StackError):
+        raise NotMsgpack("not one msgpack value") from None
+
+
+def _field_codes(tag: str, fields: dict[Any, Any]) -> set[str]:
+    """bad_message when a field is unknown, missing or of the wrong type."""
+    spec = SPEC_FIELDS[tag]
+    if set(fields) - set(spec):
+        return {m.ERROR_BAD_MESSAGE}
+    for name, (check, required) in spec.items():
+        if (name not in fields and required) or (name in fields and not check(fields[name])):
+            return {m.ERROR_BAD_MESSAGE}
+    return set()
+
+
+def _value_codes(tag: str, fields: dict[str, Any], limits: Limits) -> tuple[set[str], set[str]]:
+    """(codes a request that must be refused may get, codes one the spec leaves open may get)
+    for a well-typed request."""
+    bad: set[str] = set()
+    open_: set[str] = set()
+    rid = fields.get("rid", "")
+    if tag in DISPATCHED and not 1 <= len(rid) <= MAX_RID_CHARS:
+        bad.add(m.ERROR_INVALID_REQUEST)
+    elif tag not in DISPATCHED and tag != "ping" and not 1 <= len(rid) <= MAX_RID_CHARS:
+        open_.add(m.ERROR_INVALID_REQUEST)
+    if tag == "generate":
+        _generate_codes(fields, limits, bad, open_)
+    elif tag == "score":
+        conts = fields["continuations"]
+        if not conts or not all(conts):
+            bad.add(m.ERROR_INVALID_REQUEST)
+    elif tag == "cache_prefix" and not fields["text"]:
+        bad.add(m.ERROR_INVALID_REQUEST)
+    return bad, open_
+
+
+def _generate_codes(fields: dict[str, Any], limits: Limits, bad: set, open_: set) -> None:
+    text, ids = fields.get("text"), fields.get("input_ids")
+    if (text is None) == (ids is None) or text == "" or ids == []:
+        bad.add(m.ERROR_INVALID_REQUEST)
+    elif ids is not None and not all(0 <= t < limits.vocab_size for t in ids):
+        bad.add(m.ERROR_INVALID_REQUEST)
+    params = fields.get("sampling_params", {})
+    grammar = {k: params[k] for k in ("regex", "json_schema", "ebnf") if k in params}
+    others = {k: v for k, v in params.items() if k not in grammar}
+    verdict = sampling_verdict(others, limits, strict_names=True)
+    grammar_verdict = sampling_verdict(grammar, limits, strict_names=True)
+    if verdict == BAD or params.get("n", 1) != 1:  # the spec: n must be 1 here
+        bad.add(m.ERROR_INVALID_REQUEST)
+    if grammar_verdict == BAD:
+        bad.update(CANNOT_BUILD)
+    if EITHER in (verdict, grammar_verdict):
+        open_.update(CANNOT_BUILD)
+    start = fields.get("logprob_start_len", -1)
+    if start < -1 or start >= limits.context_length:
+        bad.add(m.ERROR_INVALID_REQUEST)
+    elif start > 0:
+        open_.add(m.ERROR_INVALID_REQUEST)  # past the prompt's end is refused
+    if not 0 <= fields.get("top_logprobs_num", 0) <= MAX_TOP_LOGPROBS:
+        bad.add(m.ERROR_INVALID_REQUEST)
+
+
+def expect(parts: list[bytes], limits: Limits) -> Expectation:
+    """The oracle: what the spec says the server owes these frames."""
     if len(parts) != 1:
         return Expectation(("",), {m.ERROR_BAD_MESSAGE})
     frame = parts[0]
     try:
-        # string or bytes keys, no ext types: what the spec lets through to the rid lookup
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0)
-    except (ValueError, TypeError):
+        body = _unpack(frame)
+    except NotMsgpack:
         body = None
     rid = body.get("rid") if isinstance(body, dict) and isinstance(body.get("rid"), str) else ""
     if len(frame) > MAX_MESSAGE_BYTES:  # refused unread, or its rid found in the first bytes
         return Expectation(("", rid), {m.ERROR_TOO_LARGE})
     if not isinstance(body, dict):
         return Expectation(("",), {m.ERROR_BAD_MESSAGE})
-    try:
-        msg = m.decode(frame, m.CLIENT_REQUESTS, MAX_MESSAGE_BYTES)
-    except m.ProtocolError as e:
-        return Expectation((rid,), {e.code})
-    except Exception:  # a decoder bug: the server must still answer, with the rid
-        return Expectation((rid,), {m.ERROR_BAD_MESSAGE, m.ERROR_INTERNAL})
-    if isinstance(msg, m.Ping):
+    version, tag = body.get("v"), body.get("t")
+    codes = set()
+    if not (is_int(version) and version == m.PROTOCOL_VERSION):
+        codes.add(m.ERROR_BAD_VERSION)
+    if not (isinstance(tag, str) and tag in SPEC_FIELDS):
+        codes.add(m.ERROR_UNKNOWN_TYPE)
+    if not isinstance(body.get("key", ""), str) or not all(isinstance(k, str) for k in body):
+        codes.add(m.ERROR_BAD_MESSAGE)
+    if codes or not _string_keys(body):  # nested non-string keys: a bad frame, or bad values
+        rids = (rid,) if codes else ("", rid)
+        return Expectation(rids, codes or {m.ERROR_BAD_MESSAGE, m.ERROR_INVALID_REQUEST})
+    fields = {k: v for k, v in body.items() if k not in ("v", "t", "key")}
+    codes = _field_codes(tag, fields)
+    if codes:
+        return Expectation((rid,), codes)
+    if tag == "ping":
         return Expectation(("",), silent=True)
-    dispatched = isinstance(msg, (m.Generate, m.Score, m.CachePrefix, m.FlushCache))
-    return Expectation((msg.rid,), dispatched=dispatched)
+    bad, open_ = _value_codes(tag, fields, limits)
+    dispatched = tag in DISPATCHED
+    if bad:
+        return Expectation((rid,), bad | open_, dispatched=dispatched)
+    return Expectation((rid,), open_, may_succeed=True, dispatched=dispatched)
 
 
 class RawClient:
@@ -300,8 +450,8 @@ class Fuzzer:
     ABORT_AFTER_S = 2.0  # a fuzzed request that came out valid and long is aborted
     REPLY_TIMEOUT_S = 60.0
 
-    def __init__(self, raw: RawClient) -> None:
-        self.raw = raw
+    def __init__(self, raw: RawClient, limits: Limits) -> None:
+        self.raw, self.limits = raw, limits
         self.cases = 0
         self.kinds: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
@@ -312,7 +462,7 @@ class Fuzzer:
         self.kinds[spec.kind] += 1
         rid, fence = f"fz{self.cases}", f"fence{self.cases}"
         parts = build_frames(spec, rid)
-        want = expect(parts)
+        want = expect(parts, self.limits)
         self.raw.send(parts)
         self.raw.send([m.encode(m.Health(fence))])
         replies, fenced, aborted = [], False, False
@@ -343,15 +493,15 @@ class Fuzzer:
         assert len(finals) == 1 and replies[-1] is finals[0], where
         reply = finals[0]
         assert all(r.rid in want.rids for r in replies), where
-        if want.error_codes is not None:
-            assert isinstance(reply, m.Error) and reply.code in want.error_codes, where
-            self.outcomes[f"error_{reply.code}"] += 1
-            return
         if isinstance(reply, m.Error):
             assert reply.code not in (m.ERROR_UNAVAILABLE, m.ERROR_INTERNAL), (
                 f"the server or scheduler broke on {where}, or on one of the cases before it: "
                 f"{list(self.recent)!r:.2000}"
             )
+            assert reply.code in want.error_codes, f"{where}: the spec allows {want}"
+            self.outcomes[f"error_{reply.code}"] += 1
+            return
+        assert want.may_succeed, f"{where}: the spec allows {want}"
         self.outcomes[f"{type(reply).__name__.lower()}"] += 1
 
 
@@ -401,8 +551,10 @@ def test_fuzzed_frames_get_errors_and_a_correct_client_keeps_working(
     stop, log = threading.Event(), []
     client = threading.Thread(target=good_client, args=(runtime.address, references, stop, log))
     client.start()
+    info = endpoint.model_info()
+    limits = Limits(info["vocab_size"], info["context_length"], info["max_new_tokens_limit"])
     raw = RawClient(runtime.address)
-    fuzzer = Fuzzer(raw)
+    fuzzer = Fuzzer(raw, limits)
 
     @fuzz_settings()
     @given(FRAMES)
@@ -630,27 +782,36 @@ def scheduler_gone(pid: int) -> bool:
         return True
 
 
-def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits() -> None:
-    """The server process SIGKILLed while clients stream, block, run a streaming DSL program
-    and wait for a slow grammar: every call raises `disconnected` within 5 s (their timeout is
-    60 s), the program's error() and text_iter() report it, a later call fails within its
-    timeout, and the orphaned scheduler exits instead of lingering."""
+def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server process SIGKILLed while clients stream, block, run a streaming DSL program,
+    wait for a slow grammar and stream over HTTP, all without a timeout (the default: they wait
+    while the server reports their requests alive, and say so in the log): every call raises
+    `disconnected` within 5 s, the program's error() and text_iter() report it, a later call
+    fails within its timeout, and the orphaned scheduler exits instead of lingering."""
     # outlines: its compile of a{0,100000} is the slow grammar (llguidance's takes a millisecond)
     rt = Server(max_total_tokens=4096, num_threads=1, log_level="error", grammar_backend="outlines")
     scheduler_pid = rt.endpoint.health()["scheduler_pid"]
+    caplog.set_level(logging.INFO, logger="radixflow")
+    liveness = sgl.Liveness(interval_s=0.2, log_after_s=0.5)
     try:
-        endpoint = RuntimeEndpoint(rt.address, timeout=60)
+        endpoint = RuntimeEndpoint(rt.address, liveness=liveness)
+        over_http = RuntimeEndpoint(rt.url, liveness=liveness)
         slow_grammar = {
             "stream": False,
             "text": "Say a",
             "sampling_params": {"regex": "a{0,100000}"},
         }
         clients = start_clients(endpoint, [{"stream": True}, {"stream": False}, slow_grammar])
+        clients += start_clients(over_http, [{"stream": True}])
         state = story_with_branches.run(backend=endpoint, stream=True)
         pieces = state.text_iter()
         assert finishes(lambda: next(pieces), PROGRAM_TIMEOUT_S) == "Once upon a time"
-        assert clients[0][1].streaming.wait(60)
-        wait_for(lambda: endpoint.stats()["running_requests"] == 3, 60, "3 requests running")
+        assert clients[0][1].streaming.wait(60) and clients[3][1].streaming.wait(60)
+        wait_for(lambda: endpoint.stats()["running_requests"] == 4, 60, "4 requests running")
+        wait_for(lambda: waiting_lines(caplog, "tokens so far"), 10, "a waiting stream's log")
+        wait_for(lambda: waiting_lines(caplog, "queued of"), 10, "a waiting HTTP call's log")
 
         killed_at = time.monotonic()
         rt.process.kill()
@@ -662,7 +823,7 @@ def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits()
             finishes(lambda: list(pieces), 10)
         assert info.value.__cause__ is error
         outcomes = [outcome for _, outcome in clients]
-        assert [o.code for o in outcomes] == [m.ERROR_DISCONNECTED] * 3
+        assert [o.code for o in outcomes] == [m.ERROR_DISCONNECTED] * 4
         last = max(o.at for o in outcomes) - killed_at
         print(f"\nserver SIGKILL -> last client error: {last:.2f}s")
         assert last < 5
@@ -672,11 +833,18 @@ def test_killed_server_fails_clients_and_programs_fast_and_the_scheduler_exits()
             endpoint.generate("Hello", GREEDY, timeout=3)
         assert later.value.code == m.ERROR_DISCONNECTED and time.monotonic() - start < 5
         endpoint.close()
+        over_http.close()
         wait_for(lambda: scheduler_gone(scheduler_pid), 10, "the orphaned scheduler to exit")
     finally:
         rt.shutdown()
         if not scheduler_gone(scheduler_pid):
             os.kill(scheduler_pid, signal.SIGKILL)
+
+
+def waiting_lines(caplog: pytest.LogCaptureFixture, part: str) -> list[str]:
+    """The clients' "waiting for request" log lines that contain `part`."""
+    lines = [r.getMessage() for r in caplog.records]
+    return [line for line in lines if line.startswith("waiting for request") and part in line]
 
 
 # ---- program-level faults -----------------------------------------------------------------
