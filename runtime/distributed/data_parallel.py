@@ -21,10 +21,18 @@ Supervision: SIGTERM/SIGINT stop the router first (no new traffic), then every r
 is restarted on the same ports (at most MAX_RESTARTS times), so the router's health checks
 take it back; meanwhile the router's retries send its traffic to the others. If the router
 itself dies, everything stops and the exit code is 1.
+
+Rolling restart: SIGHUP restarts the replicas one at a time (new code, new weights on disk)
+without losing a request. For each: the router forgets it (`DELETE /workers/{id}`: no new
+requests reach it; those in flight carry on), it drains (SIGTERM: it finishes what it has in
+flight, up to --shutdown-timeout), a new replica starts on its ports, the router takes it
+back (`POST /workers`) and, once the router reports it healthy, the next one goes. The others
+serve meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import importlib.util
@@ -131,6 +139,7 @@ class DataParallel:
         self.router: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.stopping = False
+        self.rolling = False  # SIGHUP: restart every replica in turn
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -206,27 +215,35 @@ class DataParallel:
     def wait_router(self) -> None:
         """Until the router lists every replica as a healthy worker."""
         assert self.router is not None
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         deadline = time.monotonic() + ROUTER_TIMEOUT_S
         while time.monotonic() < deadline and not self.stopping:
             if self.router.poll() is not None:
                 raise DataParallelError(f"sglang-router exited ({self.router.returncode})")
-            if self.healthy_workers(headers) >= len(self.replicas):
+            if self.healthy_workers() >= len(self.replicas):
                 return
             time.sleep(0.3)
         raise DataParallelError("sglang-router did not register every replica in time")
 
-    def healthy_workers(self, headers: dict[str, str]) -> int:
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+
+    def workers(self) -> list[dict]:
+        """The router's worker list (`GET /workers`); empty when it does not answer."""
         try:
-            workers = httpx.get(f"{self.url}/workers", headers=headers, timeout=5).json()
-        except (httpx.HTTPError, ValueError):
-            return 0
-        return sum(1 for w in workers.get("workers", []) if w.get("is_healthy"))
+            reply = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5)
+            return reply.json().get("workers", [])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return []
+
+    def healthy_workers(self) -> int:
+        return sum(1 for w in self.workers() if w.get("is_healthy"))
 
     # ---- run and stop ---------------------------------------------------------------------
 
     def watch(self) -> int:
-        """Until SIGTERM/SIGINT (0) or the router's death (1); restarts dead replicas."""
+        """Until SIGTERM/SIGINT (0) or the router's death (1); restarts dead replicas, and
+        every replica in turn after a SIGHUP."""
         while not self.stopping:
             time.sleep(0.2)
             if self.router is not None and self.router.poll() is not None:
@@ -235,7 +252,64 @@ class DataParallel:
             for i, replica in enumerate(self.replicas):
                 if replica.process.poll() is not None and not self.stopping:
                     self.replicas[i] = self.restart(replica)
+            if self.rolling:
+                self.rolling = False
+                self.rolling_restart()
         return 0
+
+    def request_rolling_restart(self, *_: object) -> None:
+        """SIGHUP handler: the watch loop restarts every replica in turn."""
+        self.rolling = True
+
+    def rolling_restart(self) -> None:
+        """Replace each replica in turn; stops at the first that fails to come back (the
+        watch loop restarts it if it died, and the router is told about it again)."""
+        log.info("rolling restart of %d replicas", len(self.replicas))
+        for i in range(len(self.replicas)):
+            if self.stopping:
+                return
+            try:
+                self.replace(i)
+            except DataParallelError as e:
+                log.error("rolling restart stopped at replica %d: %s", i, e)
+                with contextlib.suppress(DataParallelError):
+                    self.router_call("POST", self.replicas[i].url)
+                return
+        log.info("rolling restart done")
+
+    def replace(self, i: int) -> None:
+        """Take replica `i` out of the router, let it drain and exit, start a new one on its
+        ports and wait until the router routes to it again. Raises DataParallelError."""
+        old = self.replicas[i]
+        self.router_call("DELETE", old.url)
+        terminate([old.process], self.config.shutdown_timeout + STOP_WAIT_S)
+        log.info("replica %d drained (exit %s); starting it again", i, old.process.returncode)
+        new = self.spawn(old.index, port_of(old.url), port_of(old.zmq_address))
+        new.url, new.zmq_address = old.url, old.zmq_address
+        self.replicas[i] = new
+        self.wait_ready(new, time.monotonic() + START_TIMEOUT_S)
+        self.router_call("POST", new.url)
+        deadline = time.monotonic() + ROUTER_TIMEOUT_S
+        while not any(w.get("url") == new.url and w.get("is_healthy") for w in self.workers()):
+            if time.monotonic() > deadline or self.stopping:
+                raise DataParallelError(f"the router did not take {new.url} back in time")
+            time.sleep(0.3)
+
+    def router_call(self, method: str, url: str) -> None:
+        """Remove (DELETE /workers/{id}) or add (POST /workers) a worker at the router."""
+        if method == "DELETE":
+            ids = [w["id"] for w in self.workers() if w.get("url") == url]
+            requests = [("DELETE", f"{self.url}/workers/{i}", None) for i in ids]
+        else:
+            body = {"url": url, **({"api_key": self.config.api_key} if self.config.api_key else {})}
+            requests = [("POST", f"{self.url}/workers", body)]
+        for verb, target, body in requests:
+            try:
+                reply = httpx.request(verb, target, json=body, headers=self.headers, timeout=30)
+            except httpx.HTTPError as e:
+                raise DataParallelError(f"{verb} {target}: {e}") from e
+            if reply.status_code >= 300:
+                raise DataParallelError(f"{verb} {target}: {reply.status_code} {reply.text}")
 
     def restart(self, dead: Replica) -> Replica:
         code = dead.process.returncode
@@ -245,9 +319,7 @@ class DataParallel:
                 dead.restarts += 1
             return dead
         log.error("replica %d exited (%s); restarting it on %s", dead.index, code, dead.url)
-        port = int(dead.url.rsplit(":", 1)[1])
-        zmq_port = int(dead.zmq_address.rsplit(":", 1)[1])
-        replica = self.spawn(dead.index, port, zmq_port)
+        replica = self.spawn(dead.index, port_of(dead.url), port_of(dead.zmq_address))
         replica.url, replica.zmq_address = dead.url, dead.zmq_address  # until its ready line
         replica.restarts = dead.restarts + 1
         return replica
@@ -262,6 +334,10 @@ class DataParallel:
         if self.router is not None:
             terminate([self.router], STOP_WAIT_S)
         terminate([r.process for r in self.replicas], self.config.shutdown_timeout + STOP_WAIT_S)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 def terminate(processes: list[subprocess.Popen[bytes]], wait_s: float) -> None:
@@ -310,6 +386,7 @@ def serve_data_parallel(config: ServerConfig, log_level: str = "info") -> int:
         return 2
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)
+    signal.signal(signal.SIGHUP, supervisor.request_rolling_restart)
     try:
         url = supervisor.start()
         print(ready_line(url, config, supervisor.replicas), flush=True)

@@ -41,6 +41,7 @@ from radixflow.runtime.server.http_request import (
     json_response,
     new_rid,
     parse_generate,
+    prepend,
     request_error,
     typed,
 )
@@ -181,8 +182,8 @@ class HttpDoor:
         raw = await request.read()
         try:
             return json.loads(raw) if raw else {}
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"the body is not JSON: {e}") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser
+            raise HttpError(400, f"the body is not JSON: {type(e).__name__}: {e}") from e
 
     def submit(self, msgs: list[Generate]) -> list[Sink]:
         wake = asyncio.Event()
@@ -232,6 +233,15 @@ class HttpDoor:
         await response.prepare(request)
         return response
 
+    async def first_reply(self, replies: AsyncIterator[tuple[int, Any]]) -> tuple[int, Any]:
+        """A stream's first (index, reply), before any byte of it is sent: an error reply
+        raises as an HttpError, so a request refused before its first token gets its status."""
+        first = await anext(replies)
+        reply = first[1]
+        if isinstance(reply, Error):
+            raise HttpError(STATUS_OF_CODE.get(reply.code, 500), reply.message, code=reply.code)
+        return first
+
     async def event(self, response: web.StreamResponse, data: Any) -> None:
         text = data if isinstance(data, str) else dumps(data)
         await response.write(f"data: {text}\n\n".encode())
@@ -257,12 +267,15 @@ class HttpDoor:
         self, request: web.Request, sinks: list[Sink], batch: bool, text_in_logprobs: bool
     ) -> web.StreamResponse:
         """SSE: one `data: {json}` per chunk (cumulative text, ids and logprobs, as SGLang
-        streams by default), each final result, then `data: [DONE]`."""
-        response = await self.sse(request)
+        streams by default), each final result, then `data: [DONE]`. The events start with
+        the first reply: a request refused before its first token (a grammar that does not
+        compile) gets its error status, as an unstreamed one does."""
         ids: list[list[int]] = [[] for _ in sinks]
         logprobs: list[list[Any]] = [[] for _ in sinks]
         async with contextlib.aclosing(self.replies(sinks)) as replies:
-            async for i, reply in replies:
+            first = await self.first_reply(replies)
+            response = await self.sse(request)
+            async for i, reply in prepend(first, replies):
                 if isinstance(reply, Error):
                     status = STATUS_OF_CODE.get(reply.code, 500)
                     await self.event(response, error_body(status, reply.message, None, reply.code))

@@ -65,6 +65,7 @@ from radixflow.runtime.protocol.messages import (
     Score,
     Shutdown,
     Stats,
+    Status,
 )
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.protocol.transport import (
@@ -91,6 +92,7 @@ MAX_RID_LEN = 256
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_PUMPS = 8  # drain rounds per callback before yielding to the HTTP handlers
 MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
+MAX_STATUS_RIDS = MAX_JOBS_IN_FLIGHT  # a status query answers for at most this many rids
 DRAINING_MESSAGE = "the server is shutting down (draining): send the request to another server"
 SHUTDOWN_MESSAGE = "the server is shutting down: the request did not finish within the drain"
 
@@ -152,6 +154,7 @@ class Server:
             ModelInfo: self._on_model_info,
             Stats: self._on_stats,
             Health: self._on_health,
+            Status: self._on_status,
             Ping: lambda identity, msg: None,
         }
 
@@ -426,6 +429,28 @@ class Server:
 
     def _on_health(self, identity: Any, msg: Health) -> None:
         self._send(identity, Result(msg.rid, self.health_data()))
+
+    def _on_status(self, identity: Any, msg: Status) -> None:
+        self._send(identity, Result(msg.rid, self.status_data(msg.target_rids)))
+
+    def status_data(self, rids: list[str]) -> dict[str, Any]:
+        """Where each request of `rids` stands (a waiting client's liveness signal)."""
+        stats, now = self.scheduler_stats, time.monotonic()
+        requests: dict[str, Any] = {}
+        for rid in rids[:MAX_STATUS_RIDS]:
+            job = self.jobs.get(rid)
+            if job is None:
+                requests[rid] = {"state": "unknown"}
+                continue
+            requests[rid] = {"state": "in_flight", "seconds": round(now - job.started, 1)}
+            if isinstance(job, GenerateJob) and job.msg.stream:  # others report only at the end
+                requests[rid]["completion_tokens"] = len(job.output_ids)
+        return {
+            "requests": requests,
+            "running_requests": stats.get("running_requests", 0),
+            "waiting_requests": stats.get("waiting_requests", 0),
+            "status": "draining" if self.draining else self.status,
+        }
 
     def model_info_data(self) -> dict[str, Any]:
         return {

@@ -32,6 +32,7 @@ WORKLOADS = ("few_shot", "independent")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # every system on two workloads: about 2 minutes (the suite's budget)
 def test_quick_bench_writes_a_sane_report_and_a_chart(tmp_path: Path) -> None:
     import torch
 

@@ -2,7 +2,9 @@
 
 One `radixflow serve --dp-size 2` (1 thread per replica, an API key) for the module: the DSL
 workloads through the router give a single replica's outputs; the key is required at the
-router and at the replicas and passed through; SIGTERM stops the router and every replica.
+router and at the replicas and passed through; SIGHUP restarts the replicas one at a time
+(rolling restart) while clients, streams among them, lose no request; SIGTERM stops the router
+and every replica.
 Slow: a replica SIGKILLed under load (every client gets a final answer, the replica comes back
 and serves again), and the many-machine deployment with each "host" on its own loopback
 address (127.0.0.2, 127.0.0.3) and the router launched by hand.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -128,10 +131,12 @@ def serve_pids(supervisor_pid: int) -> dict[str, int]:
     """Replica server pids by the ports they listen on (HTTP and ZeroMQ)."""
     out = {}
     for child in psutil.Process(supervisor_pid).children():
-        if "serve" in child.cmdline():
-            for conn in child.net_connections(kind="tcp"):
-                if conn.status == psutil.CONN_LISTEN:
-                    out[str(conn.laddr.port)] = child.pid
+        # a replica may exit meanwhile (a zombie until the supervisor reaps it): skip it
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            if "serve" in child.cmdline():
+                for conn in child.net_connections(kind="tcp"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        out[str(conn.laddr.port)] = child.pid
     return out
 
 
@@ -218,6 +223,89 @@ def test_a_killed_replica_loses_no_client_and_rejoins(cluster: Any) -> None:
         return info["internal_states"][0]["server"].get("request_generate", 0) > 0
 
     wait_for(victim_serves, 120, "the restarted replica serving requests")
+
+
+def generate(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[int, str]:
+    """(status, text) of a /generate; a stream counts as 200 only if it ends with a finished
+    result and `[DONE]`."""
+    if not body.get("stream"):
+        reply = http.post(url, json=body)
+        return reply.status_code, reply.text[:200]
+    finished = False
+    with http.stream("POST", url, json=body) as reply:
+        for line in reply.iter_lines():
+            if line == "data: [DONE]":
+                return (reply.status_code if finished else -2), f"stream finished: {finished}"
+            if line.startswith("data: "):
+                meta = json.loads(line[6:]).get("meta_info", {})
+                finished = meta.get("finish_reason") is not None
+    return -3, f"stream ended before [DONE] ({reply.status_code})"
+
+
+@pytest.mark.slow  # two model loads while traffic flows: about 2 minutes (the suite's budget)
+@needs_router
+def test_sighup_restarts_each_replica_in_turn_losing_no_request(cluster: Any) -> None:
+    """Rolling restart: on SIGHUP the supervisor takes one replica at a time out of the
+    router, lets it drain, starts it again on its port and hands it back. Requests flowing
+    from 3 client threads all the while (half of them streams) all succeed; the new replicas
+    take the traffic and answer."""
+    urls = replicas(cluster.url)
+    old = serve_pids(cluster.process.pid)
+    ports = [url.rsplit(":", 1)[1] for url in urls]
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        with httpx.Client(headers=AUTH, timeout=300) as http:
+            for i in range(1000):  # bounded; stopped once both replicas are back
+                if stop.is_set():
+                    return
+                body = {
+                    "text": f"Client {k} request {i}: name a colour:",
+                    "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+                    "stream": i % 2 == 1,  # a stream cut by a replica's exit is not retried
+                }
+                try:
+                    answers.append(generate(http, f"{cluster.url}/generate", body))
+                except httpx.HTTPError as e:
+                    answers.append((-1, repr(e)))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(answers) >= 3, 120, "requests flowing")
+        os.kill(cluster.process.pid, signal.SIGHUP)
+
+        def both_replaced() -> bool:
+            now = serve_pids(cluster.process.pid)
+            fresh = all(now.get(p) not in (None, old[p]) for p in ports)
+            return fresh and healthy(cluster.url) == 2
+
+        wait_for(both_replaced, 900, "both replicas restarted and back in the router")
+        settled = len(answers)
+        wait_for(lambda: len(answers) >= settled + 3, 120, "requests after the restart")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert not any(t.is_alive() for t in threads), "a client is still waiting"
+    failed = [a for a in answers if a[0] != 200]
+    print(f"rolling restart: {len(answers)} requests, {len(failed)} failed")
+    assert not failed, failed[:5]
+    # the clients reached the new processes through the router (only one replica was in it
+    # while the other restarted), and each new replica answers
+    served = [server_counters(url).get("request_generate", 0) for url in urls]
+    assert sum(served) > 0, served
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 1}}
+    for url in urls:
+        reply = httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=120)
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 1
+
+
+def server_counters(url: str) -> dict[str, Any]:
+    info = httpx.get(f"{url}/server_info", headers=AUTH, timeout=10).json()
+    return info["internal_states"][0]["server"]
 
 
 @needs_router
