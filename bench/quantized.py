@@ -197,10 +197,9 @@ engine.shutdown()
 
 def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    for name, extra in (
-        ("quantized", {}),
-        ("fp32 (--dequantize-weights)", {"dequantize_weights": True}),
-    ):
+    variants = {"quantized": {}, "fp32": {"dequantize_weights": True}}
+    for name in args.variants.split(","):
+        extra = variants[name]
         out = subprocess.run(
             [sys.executable, "-c", MEMORY_CHILD, args.model, str(args.pool), json.dumps(extra)],
             capture_output=True, text=True, check=True,

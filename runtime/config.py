@@ -72,10 +72,11 @@ class ServerConfig:
         "KV memory; attention still computes in fp32)",
     )
     num_threads: str = _knob(
-        "auto",
-        "compute threads: a number (0 = torch's default), or auto: all cores, one fewer for "
-        "each core other processes keep busy, re-read every second (OpenMP barriers stall on "
-        "a descheduled thread, so a busy neighbour otherwise costs 4-10x)",
+        "0",
+        "compute threads: a number (0 = torch's default, all cores), or auto: one fewer for each "
+        "core other processes keep busy, re-read every second (runtime/model_executor/"
+        "threads.py; on this project's AMD EPYC it did not beat fixed threads beside a busy "
+        "process, so it is not the default)",
     )
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_backend: str = _knob(

@@ -69,7 +69,8 @@ def test_between_readings_nothing_is_read(proc):
 
 
 def test_num_threads_accepts_auto_or_a_count():
-    assert ServerConfig().num_threads == "auto" and fixed_threads(ServerConfig()) == 0
+    assert ServerConfig().num_threads == "0" and fixed_threads(ServerConfig()) == 0
+    assert fixed_threads(ServerConfig(num_threads="auto")) == 0
     assert fixed_threads(ServerConfig(num_threads=3)) == 3
     with pytest.raises(ValueError, match="num_threads"):
         ServerConfig(num_threads="many")
