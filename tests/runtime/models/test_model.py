@@ -266,8 +266,10 @@ def test_cpu_kv_pool_is_prefaulted_unless_disabled(engine):
     from radixflow.runtime.model_executor.model_runner import ModelRunner
 
     faults = {}
-    for prefault in (True, False):
-        runner = ModelRunner(engine._loaded.model, 2048, prefault=prefault)
+    # fresh-from-the-kernel memory, not a free chunk earlier tests left in the heap (which
+    # calloc zeroes itself, faulting then): a pool larger than any such chunk, fresh first
+    for prefault in (False, True):
+        runner = ModelRunner(engine._loaded.model, 8192, prefault=prefault)
         pages = runner.k_caches.view(-1)[:: 4096 // 4]  # one float on every 4 KB page
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         pages.fill_(1.0)
