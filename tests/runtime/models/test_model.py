@@ -258,21 +258,40 @@ def test_stream_is_cumulative_and_utf8_safe(engine):
     assert whole["text"] == final["text"]
 
 
-def test_cpu_kv_pool_is_prefaulted_unless_disabled(engine):
-    """The runner writes its CPU pool at start, so a step's first KV writes into fresh pages
-    do not page-fault; `prefault=False` (the Engine's --disable-kv-prefault) leaves them."""
-    import resource
+_PREFAULT_PROBE = """
+import resource, sys, torch
+from radixflow.runtime.model_executor.model_runner import ModelRunner, pick_ops
+from radixflow.runtime.models.layers import CausalLM, ModelConfig
 
-    from radixflow.runtime.model_executor.model_runner import ModelRunner
+config = ModelConfig(
+    vocab_size=97, hidden_size=64, intermediate_size=64, num_layers=4, num_heads=4,
+    num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling=None, max_position=256, tie_word_embeddings=False,
+)
+model = CausalLM(config, pick_ops("auto", torch.device("cpu"), config)).eval()
+prefault = sys.argv[1] == "1"
+runner = ModelRunner(model, 1 << 17, prefault=prefault)  # 2 pools of 32 MiB each
+pages = runner.k_caches.view(-1)[:: 4096 // 4]  # one float on every 4 KB page
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+pages.fill_(1.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_cpu_kv_pool_is_prefaulted_unless_disabled():
+    """The runner writes its CPU pool at start, so a step's first KV writes into fresh pages
+    do not page-fault; `prefault=False` (the Engine's --disable-kv-prefault) leaves them.
+    Each case runs in a fresh process: in this one, earlier tests leave freed memory the
+    allocator may hand back already faulted, which would hide the difference."""
+    import subprocess
+    import sys
 
     faults = {}
-    # fresh-from-the-kernel memory, not a free chunk earlier tests left in the heap (which
-    # calloc zeroes itself, faulting then): a pool larger than any such chunk, fresh first
     for prefault in (False, True):
-        runner = ModelRunner(engine._loaded.model, 8192, prefault=prefault)
-        pages = runner.k_caches.view(-1)[:: 4096 // 4]  # one float on every 4 KB page
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        pages.fill_(1.0)
-        faults[prefault] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        del runner, pages
+        out = subprocess.run(
+            [sys.executable, "-c", _PREFAULT_PROBE, str(int(prefault))],
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout  # fmt: skip
+        faults[prefault] = int(out.split()[-1])
+    # 8192 pages of 4 KB (or 16 transparent huge pages of 2 MB) fault unless prefaulted
     assert faults[True] < 10 < faults[False], faults
