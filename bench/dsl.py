@@ -77,10 +77,13 @@ class DslSystem:
     """One server for the whole bench run; each workload runs its programs with `run_batch`,
     one thread per program, from a cold cache."""
 
-    name = "radixflow-dsl"
-
-    def __init__(self, model: str, threads: int) -> None:
-        options = {"num_threads": threads} if threads else {}
+    def __init__(
+        self, model: str, threads: int, name: str = "radixflow-dsl", **options: Any
+    ) -> None:
+        """`options`: more `radixflow serve` settings (bench/contention.py's pool size)."""
+        self.name = name
+        if threads:
+            options["num_threads"] = threads
         self.runtime = sgl.Runtime(model_path=model, **options)
         self.endpoint = self.runtime.endpoint
         self.endpoint.timeout = CALL_TIMEOUT_S

@@ -8,6 +8,8 @@ import hashlib
 import itertools
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -150,3 +152,20 @@ def warm_up(system: System, call: Any) -> None:
     system.start_workload()
     system.run_round([call])
     system.end_workload()
+
+
+class Hog:
+    """One busy process (`while True: pass`) for the `hog` condition, stopped at exit."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def set(self, on: bool) -> None:
+        if on and self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(2.0)  # the governor's readings see it before the timed round
+        elif not on and self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+            time.sleep(2.0)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from radixflow.bench.harness import Hog
 from radixflow.bench.rounds import System
 
 PROMPTS = (
@@ -83,23 +84,6 @@ def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> di
         else:
             print(f"skipped {name}: unknown, or BENCH_LLAMA_CPP_PYTHON unset", flush=True)
     return systems
-
-
-class Hog:
-    """One busy process (`while True: pass`) for the `hog` condition, stopped at exit."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-
-    def set(self, on: bool) -> None:
-        if on and self.proc is None:
-            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            time.sleep(2.0)  # the governor's readings see it before the timed round
-        elif not on and self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-            time.sleep(2.0)
 
 
 def speed(args: argparse.Namespace) -> list[dict[str, Any]]:

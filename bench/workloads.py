@@ -186,10 +186,12 @@ def few_shot(codec: Codec, quick: bool) -> Workload:
     return program_workload("few_shot", programs, codec)
 
 
-def multi_turn(codec: Codec, quick: bool) -> Workload:
-    """Chats: each turn appends ~40 user tokens to the history and generates a reply."""
+def multi_turn(codec: Codec, quick: bool, num_chats: int = 0) -> Workload:
+    """Chats: each turn appends ~40 user tokens to the history and generates a reply.
+    `num_chats` > 0 sets the number of chats (bench/contention.py's 32 programs)."""
     rng = random.Random(SEED + 1)
-    num_chats, num_turns, new = (2, 2, 8) if quick else (16, 4, 32)
+    default_chats, num_turns, new = (2, 2, 8) if quick else (16, 4, 32)
+    num_chats = num_chats or default_chats
     system = chat_turn("system", "You are a helpful AI assistant named SmolLM.")
     users = [[""] * num_turns for _ in range(num_chats)]
     for turn in range(num_turns):

@@ -59,6 +59,11 @@ class ServerConfig:
     chunked_prefill_size: int = _knob(512, "longest prefill chunk per step; -1 turns chunking off")
     schedule_policy: str = _knob("lpm", "waiting-queue order: lpm, dfs-weight or fcfs")
     schedule_conservativeness: float = _knob(1.0, "scales the reserved decode estimate")
+    new_token_ratio_decay_steps: int = _knob(
+        600,
+        "decode steps over which the reserve falls back to its floor after a preemption "
+        "raised it (fewer: admits sooner, preempts more)",
+    )
     disable_radix_cache: bool = _knob(False, "turn prefix reuse off (ablation)")
     max_preemptions: int = _knob(8, "times one request may be preempted before it is failed")
     context_length: int = _knob(0, "max tokens per sequence; 0 = the model's own")
@@ -206,6 +211,7 @@ class ServerConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}",
             ),
             (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
+            (self.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps must be >= 1"),
             (0 <= self.port < 65536, "port must be in [0, 65535]"),
             (0 <= self.mem_fraction_static < 1, "mem_fraction_static must be in [0, 1)"),
             (self.speculative_algorithm in SPECULATIVE, f"speculative_algorithm: {SPECULATIVE}"),

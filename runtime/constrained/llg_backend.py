@@ -167,4 +167,37 @@ class LlgBackend:
 
 @functools.lru_cache(maxsize=4)
 def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) -> Any:
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))
+    base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos))
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    plain = {i: t.content for i, t in decoder.items() if not t.special and i < vocab_size}
+    if not plain:
+        return base
+    # llguidance counts every added token as special, also those the tokenizer marks plain
+    # text (Qwen's <tool_call>, <think>): its masks then allow such a token where a grammar
+    # spells the tag, but accepting it fails, which aborted Qwen's constrained tool calls.
+    # Rebuilt from the token bytes, with only the truly special ids marked special.
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_PlainAddedTokens(tokenizer, base, plain, vocab_size, eos)),
+        n_vocab=vocab_size,
+        eos_token=list(eos),
+    )
+
+
+class _PlainAddedTokens:
+    """What llguidance's TokenizerWrapper reads: every token's bytes, the special ids, and
+    the tokenizer itself (it tokenizes the text a grammar forces)."""
+
+    def __init__(
+        self, hf: Any, base: Any, plain: dict[int, str], vocab_size: int, eos: tuple[int, ...]
+    ) -> None:
+        self.hf = hf
+        self.tokens = [
+            plain[i].encode() if i in plain else base.decode_bytes([i]) for i in range(vocab_size)
+        ]
+        self.special_token_ids = [
+            i for i in range(vocab_size) if i not in plain and base.is_special_token(i)
+        ]
+        self.eos_token_id, self.bos_token_id = eos[0], hf.bos_token_id
+
+    def __call__(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)

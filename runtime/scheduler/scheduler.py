@@ -28,7 +28,6 @@ from radixflow.runtime.scheduler.stats import SchedulerStats
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
 # A cached prefix this short is copied into the request's own run: one contiguous run per
@@ -433,7 +432,7 @@ class Scheduler:
         for req in list(self.running):
             if req.finished:
                 self.running.remove(req)
-        decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        decay = (self.init_ratio - self.min_ratio) / self.config.new_token_ratio_decay_steps
         self.new_token_ratio = max(self.new_token_ratio - decay, self.min_ratio)
         return updated
 

@@ -97,3 +97,28 @@ def test_bad_grammars_fail_clearly(backend, key) -> None:
     with pytest.raises(GrammarError):
         backend.get(key)
     assert isinstance(backend.poll(key), GrammarError)  # cached: the same answer again
+
+
+def test_plain_added_tokens_are_text_to_the_grammar() -> None:
+    """Qwen's <tool_call> and <think> are added tokens its tokenizer marks not special: a
+    grammar that spells the tag must allow them and accept them (llguidance alone counts
+    every added token special, allowed them in masks, then refused them in accept)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from chat_templates import chat_tokenizer
+
+    qwen = chat_tokenizer("qwen3")
+    backend = LlgBackend(qwen, len(qwen), (qwen.eos_token_id,))
+    key = (
+        "ebnf",
+        'root ::= "<think>\\n" [a-z ]+ "\\n</think>\\n<tool_call>\\n" [a-z]+ "\\n</tool_call>"',
+    )
+    text = "<think>\nlet me see\n</think>\n<tool_call>\nweather\n</tool_call>"
+    ids = qwen.encode(text, add_special_tokens=False)
+    assert {qwen.convert_tokens_to_ids(t) for t in ("<think>", "<tool_call>")} <= set(ids)
+    assert walk(backend, qwen, key, text)
+    # the special tokens stay special: the grammar's text never matches <|im_end|>
+    im_end = qwen.convert_tokens_to_ids("<|im_end|>")
+    assert not allowed(backend.get(("ebnf", "root ::= [a-z<|>_]+")), backend.words)[im_end]

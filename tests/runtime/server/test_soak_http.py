@@ -59,7 +59,10 @@ CALL_TIMEOUT_S = 600.0  # a request may wait behind many others on 2 shared core
 REPLICA = dict(
     num_threads=1,
     max_total_tokens=320,  # a few requests' worth: preemption under 16 concurrent ones
-    schedule_conservativeness=0.3,  # optimistic admission overcommits the pool
+    # optimistic admission overcommits the pool, and keeps doing so soon after a preemption
+    # (by default the reserve falls back over 600 steps, which preempted 20 times in 2,000)
+    schedule_conservativeness=0.1,
+    new_token_ratio_decay_steps=10,
     chunked_prefill_size=128,
     max_preemptions=1000,  # preempted often, never failed for it
     log_level="warning",
