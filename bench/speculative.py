@@ -56,7 +56,10 @@ def chat_rounds(codec: Codec, num: int, new: int) -> Any:
 def rounds_of(name: str, codec: Codec, num: int) -> Any:
     if name == "chat":
         return chat_rounds(codec, num, 96)
-    return workloads.WORKLOADS[name](codec, False).rounds
+    # the first `num` programs as a workload of their own: the full workload's rounds want
+    # every program's outputs back
+    whole = workloads.WORKLOADS[name](codec, False)
+    return workloads.program_workload(name, whole.programs[:num], codec).rounds
 
 
 def run_pair(

@@ -58,11 +58,12 @@ RSS_GROWTH_LIMIT = 0.05
 CALL_TIMEOUT_S = 600.0  # a request may wait behind many others on 2 shared cores
 REPLICA = dict(
     num_threads=1,
-    max_total_tokens=320,  # a few requests' worth: preemption under 16 concurrent ones
-    # optimistic admission overcommits the pool, and keeps doing so soon after a preemption
-    # (by default the reserve falls back over 600 steps, which preempted 20 times in 2,000)
-    schedule_conservativeness=0.1,
-    new_token_ratio_decay_steps=10,
+    max_total_tokens=256,  # a few requests' worth: preemption under 16 concurrent ones
+    # optimistic admission overcommits the pool, and does so again right after a preemption
+    # (with the defaults the reserve falls back over 600 steps: 20 preemptions in 2,000
+    # requests; with 0.1 and 10 steps and 320 slots, 149)
+    schedule_conservativeness=0.05,
+    new_token_ratio_decay_steps=1,
     chunked_prefill_size=128,
     max_preemptions=1000,  # preempted often, never failed for it
     log_level="warning",
