@@ -14,6 +14,8 @@ loads issue 35 names, interleaved round by round.
   dequantised to fp32, `--dequantize-weights`: the path the issue measured collapsing),
   llama.cpp (its worker in its own venv, `BENCH_LLAMA_CPP_PYTHON`, with the same thread count;
   it runs the programs' rounds, the same prompts and token counts, since it has no DSL).
+- Variants for the levers: radixflow-auto (`--num-threads auto`), radixflow-passive (the
+  server started with `OMP_WAIT_POLICY=PASSIVE`).
 - Conditions: quiet, and `hog`: one `python -c "while True: pass"` started 2 s before the
   timed pass and stopped after it. Each repeat runs every (condition, load, system) once;
   round 0 warms every system up and is not counted. Rows report the median tokens/s, the
@@ -102,6 +104,15 @@ def make_systems(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     for name in args.systems.split(","):
         if name == "radixflow":
             systems[name] = ServerSystem(name, args.model, threads, **pool)
+        elif name == "radixflow-auto":  # --num-threads auto: threads follow the free cores
+            options = {**pool, "num_threads": "auto"}
+            systems[name] = ServerSystem(name, args.model, 0, **options)
+        elif name == "radixflow-passive":  # OpenMP threads sleep at once when they wait
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+            try:
+                systems[name] = ServerSystem(name, args.model, threads, **pool)
+            finally:
+                del os.environ["OMP_WAIT_POLICY"]
         elif name == "radixflow-fp32":
             systems[name] = ServerSystem(name, args.model, threads, dequantize_weights=True, **pool)
         elif name == "llama.cpp" and os.environ.get("BENCH_LLAMA_CPP_PYTHON"):

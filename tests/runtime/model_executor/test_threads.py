@@ -74,3 +74,19 @@ def test_num_threads_accepts_auto_or_a_count():
     assert fixed_threads(ServerConfig(num_threads=3)) == 3
     with pytest.raises(ValueError, match="num_threads"):
         ServerConfig(num_threads="many")
+
+
+def test_a_busy_servers_clients_keep_both_threads_a_busy_process_takes_one(proc):
+    """The clients of a busy server use a fraction of a core (0.4 here): both threads stay.
+    A busy process beside our two threads gets about two thirds of a core: one is dropped."""
+    governor = threads.ThreadGovernor(2)
+    governor.now = governor._last[0]
+    assert run(governor, proc, others=0.4, ours=1.6, seconds=6) == [2] * 6
+    assert run(governor, proc, others=0.67, ours=1.33, seconds=4)[-1] == 1
+
+
+def test_the_server_process_counts_as_ours(monkeypatch):
+    """The scheduler's parent is its server process (HTTP, tokenizer): its CPU is ours."""
+    ticks = {"self": 700, str(threads.os.getppid()): 300}
+    monkeypatch.setattr(threads, "_process_jiffies", lambda pid: ticks.get(pid, 10_000))
+    assert threads._own_jiffies() == 1000
