@@ -97,7 +97,7 @@ class WorkerRounds:
 
 def make_systems(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     from radixflow.bench import baselines  # noqa: PLC0415 (torch: only when the bench runs)
-    from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf  # noqa: PLC0415
+    from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf  # noqa: PLC0415 (torch)
 
     pool = {"max_total_tokens": args.pool}
     systems: dict[str, Any] = {}
