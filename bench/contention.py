@@ -1,8 +1,9 @@
 """Throughput beside a busy process: each system quiet and with one core taken, on the two
 loads issue 35 names, interleaved round by round.
 
-    python -m radixflow.bench.contention [--systems radixflow,radixflow-fp32,llama.cpp]
+    python -m radixflow.bench.contention [--systems radixflow,radixflow-fixed,llama.cpp]
         [--programs 32] [--streams 32] [--new-tokens 64] [--pool 3072] [--repeats 3]
+        [--conditions quiet,hog] [--loads programs,independent]
 
 - `programs`: 32 chats of 4 turns (bench/workloads.py's multi_turn, 32 new tokens a turn)
   run as `@function` programs through the DSL against a live server with a 3,072-token KV
@@ -10,15 +11,17 @@ loads issue 35 names, interleaved round by round.
   client has no timeout (the DSL's default): a program that fails is counted, not retried.
 - `independent`: `--streams` unrelated prompts, `--new-tokens` greedy tokens each, through
   the same server.
-- Systems: radixflow (the GGUF's blocks, the default settings), radixflow-fp32 (the same file
-  dequantised to fp32, `--dequantize-weights`: the path the issue measured collapsing),
-  llama.cpp (its worker in its own venv, `BENCH_LLAMA_CPP_PYTHON`, with the same thread count;
-  it runs the programs' rounds, the same prompts and token counts, since it has no DSL).
-- Variants for the levers: radixflow-auto (`--num-threads auto`), radixflow-passive (the
-  server started with `OMP_WAIT_POLICY=PASSIVE`).
+- Systems: radixflow (the GGUF's blocks, the default settings, so `--num-threads auto`),
+  radixflow-fixed (the same with `--num-threads` fixed at the core count: the default before
+  issue 35), radixflow-fp32 (the file dequantised to fp32, `--dequantize-weights`, fixed
+  threads: the path the issue measured collapsing), llama.cpp (its worker in its own venv,
+  `BENCH_LLAMA_CPP_PYTHON`, with the same thread count; it runs the programs' rounds, the
+  same prompts and token counts, since it has no DSL).
+- A further lever: radixflow-passive (fixed threads, the server started with
+  `OMP_WAIT_POLICY=PASSIVE`).
 - Conditions: quiet, and `hog`: one `python -c "while True: pass"` started 2 s before the
-  timed pass and stopped after it. Each repeat runs every (condition, load, system) once;
-  round 0 warms every system up and is not counted. Rows report the median tokens/s, the
+  timed pass and stopped after it. Each repeat runs every (condition, load, system) once,
+  the systems in a rotated order; round 0 warms every system up and is not counted. Rows report the median tokens/s, the
   share of the quiet median kept, and failed programs.
 """
 
@@ -43,7 +46,7 @@ from radixflow.bench.workloads import (
     server_codec,
 )
 
-SYSTEMS = ("radixflow", "radixflow-fp32", "llama.cpp")
+SYSTEMS = ("radixflow", "radixflow-fixed", "llama.cpp")
 
 
 class ServerSystem:
@@ -102,11 +105,10 @@ def make_systems(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     pool = {"max_total_tokens": args.pool}
     systems: dict[str, Any] = {}
     for name in args.systems.split(","):
-        if name == "radixflow":
+        if name == "radixflow":  # the defaults: --num-threads auto
+            systems[name] = ServerSystem(name, args.model, 0, **pool)
+        elif name == "radixflow-fixed":  # every core, whatever else runs
             systems[name] = ServerSystem(name, args.model, threads, **pool)
-        elif name == "radixflow-auto":  # --num-threads auto: threads follow the free cores
-            options = {**pool, "num_threads": "auto"}
-            systems[name] = ServerSystem(name, args.model, 0, **options)
         elif name == "radixflow-passive":  # OpenMP threads sleep at once when they wait
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
             try:
@@ -136,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=3072, help="the servers' KV pool, tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="0: every core")
+    parser.add_argument("--conditions", default="quiet,hog", help="quiet, hog or both")
     parser.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = parser.parse_args(argv)
 
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = args.loads.split(",")
     systems = make_systems(args, threads)
     print(json.dumps({"cpu": _cpu(), "threads": threads, "load_average": os.getloadavg()}))
-    conditions = ("quiet", "hog")
+    conditions = tuple(args.conditions.split(","))
     runs: dict[tuple[str, str, str], list[tuple[int, int, float]]] = {}
     hog = Hog()
     try:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             for condition in conditions if repeat else ("quiet",):
                 hog.set(condition == "hog")
                 for load in loads:
-                    for name, system in systems.items():
+                    for name, system in rotated(list(systems.items()), repeat):
                         result = system.run(make(load))
                         print(json.dumps({"repeat": repeat, "condition": condition,
                                           "load": load, "system": name,
@@ -187,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"cpu": _cpu(), "threads": threads, "rows": rows}, f, indent=1)
     return 0
+
+
+def rotated(items: list, by: int) -> list:
+    """The systems in a different order each repeat, so none always runs first."""
+    by %= max(1, len(items))
+    return items[by:] + items[:by]
 
 
 def summarise(runs: dict[tuple[str, str, str], list[tuple[int, int, float]]]) -> list[dict]:

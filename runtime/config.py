@@ -61,8 +61,9 @@ class ServerConfig:
     schedule_conservativeness: float = _knob(1.0, "scales the reserved decode estimate")
     new_token_ratio_decay_steps: int = _knob(
         600,
-        "decode steps over which the reserve falls back to its floor after a preemption "
-        "raised it (fewer: admits sooner, preempts more)",
+        "after a preemption raises the decode reserve, each step lowers it by (initial - "
+        "floor) / this (SGLang's SGLANG_NEW_TOKEN_RATIO_DECAY idea; fewer steps: admits sooner, "
+        "preempts more)",
     )
     disable_radix_cache: bool = _knob(False, "turn prefix reuse off (ablation)")
     max_preemptions: int = _knob(8, "times one request may be preempted before it is failed")
@@ -77,11 +78,11 @@ class ServerConfig:
         "KV memory; attention still computes in fp32)",
     )
     num_threads: str = _knob(
-        "0",
-        "compute threads: a number (0 = torch's default, all cores), or auto: one fewer for each "
-        "core other processes keep busy, re-read every second (runtime/model_executor/"
-        "threads.py; beside a busy process it kept 55-59%% of quiet throughput against fixed "
-        "threads' 30-37%%, but cost 4-18%% on a quiet machine, so it is not the default)",
+        "auto",
+        "compute threads: auto (all cores, one fewer for each core other processes keep busy, "
+        "re-read every second: runtime/model_executor/threads.py; beside a busy process it keeps "
+        "about 55%% of quiet throughput where fixed threads keep about a third, and it measures "
+        "level on a quiet machine), or a fixed number (0 = torch's default, all cores)",
     )
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
     grammar_backend: str = _knob(

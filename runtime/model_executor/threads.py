@@ -1,5 +1,5 @@
-"""`--num-threads auto`: as many compute threads as the machine has cores free, re-read while
-serving.
+"""`--num-threads auto` (the default on CPU): as many compute threads as the machine has cores
+free, re-read while serving.
 
 Every matmul, norm and attention call of a step splits its work over the OpenMP threads and
 ends at a barrier. When another program takes a core, one of our threads is descheduled for a
@@ -33,6 +33,10 @@ SMOOTHING = 0.5  # weight of the newest reading of the neighbours' load
 # a core. A busy process beside our two threads shows about 0.6-0.7 of a core (the three
 # share two); the clients of a busy server, less.
 SLACK = 0.5
+# A reading over a window longer than this (the server sat idle, so no step ticked) says what
+# others did while we were not running: it starts a new window instead of setting the count.
+# Without this, a server idle while another one worked started its next burst on one thread.
+STALE_S = 3 * INTERVAL_S
 
 
 def _machine_jiffies() -> tuple[int, int]:
@@ -88,8 +92,10 @@ class ThreadGovernor:
             busy, total, own = *_machine_jiffies(), _own_jiffies()
         except (OSError, ValueError, IndexError):
             return self.threads
-        _, last_busy, last_total, last_own = self._last
+        last_now, last_busy, last_total, last_own = self._last
         self._last = (now, busy, total, own)
+        if now - last_now > max(STALE_S, 3 * self.interval_s):
+            return self.threads  # we were idle: what others did then is not the cores left now
         elapsed = total - last_total
         if elapsed <= 0:
             return self.threads

@@ -69,7 +69,8 @@ def test_between_readings_nothing_is_read(proc):
 
 
 def test_num_threads_accepts_auto_or_a_count():
-    assert ServerConfig().num_threads == "0" and fixed_threads(ServerConfig()) == 0
+    assert ServerConfig().num_threads == "auto" and fixed_threads(ServerConfig()) == 0
+    assert fixed_threads(ServerConfig(num_threads=0)) == 0
     assert fixed_threads(ServerConfig(num_threads="auto")) == 0
     assert fixed_threads(ServerConfig(num_threads=3)) == 3
     with pytest.raises(ValueError, match="num_threads"):
@@ -90,3 +91,21 @@ def test_the_server_process_counts_as_ours(monkeypatch):
     ticks = {"self": 700, str(threads.os.getppid()): 300}
     monkeypatch.setattr(threads, "_process_jiffies", lambda pid: ticks.get(pid, 10_000))
     assert threads._own_jiffies() == 1000
+
+
+def test_a_reading_across_an_idle_spell_sets_nothing(proc):
+    """No step ticks while the server is idle; a reading spanning that spell measures what
+    others did meanwhile (another server's burst), not the cores free now: it only starts a
+    new window, and the next reading decides."""
+    governor = threads.ThreadGovernor(2)
+    governor.now = governor._last[0]
+    assert run(governor, proc, others=0.0, ours=2.0, seconds=2) == [2, 2]
+    for _ in range(10):  # ten idle seconds while another process uses both cores
+        proc.others, proc.ours = 2.0, 0.0
+        proc.advance()
+    governor.now += 10.0
+    assert governor.tick(governor.now) == 2
+    assert run(governor, proc, others=0.0, ours=2.0, seconds=3) == [2, 2, 2]
+    assert governor.changes == 0
+    # a neighbour that is still busy once we work again is seen within two readings
+    assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1

@@ -328,3 +328,53 @@ def test_short_cached_prefix_copied_into_own_run(page_size: int) -> None:
     run_all(sched)
     for req in later + together:
         assert req.output_ids == expected_output(req.input_ids, 30)
+
+
+
+def _preempting_run(decay_steps: int) -> tuple[Scheduler, list[list[float]], list[Req]]:
+    """The tight-pool workload; -> the scheduler, the reserve ratio after each step of every
+    stretch between preemptions (each starts at a step that preempted), and the requests."""
+    sched, _ = make_scheduler(
+        max_total_tokens=400, schedule_conservativeness=0.05,
+        new_token_ratio_decay_steps=decay_steps,
+    )  # fmt: skip
+    reqs = [
+        make_req(f"r{i}", prompt, n, ignore_eos=True)
+        for i, (prompt, n) in enumerate(workload(seed=1))
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    stretches: list[list[float]] = []
+    for _ in range(10_000):
+        if not sched.has_work:
+            break
+        before = sched.counters["preemptions"]
+        sched.step()
+        if sched.counters["preemptions"] > before:
+            stretches.append([])
+        if stretches and sched.has_work:
+            stretches[-1].append(sched.new_token_ratio)
+    assert not sched.has_work, "scheduler did not finish"
+    sched.check_invariants()
+    return sched, stretches, reqs
+
+
+def test_new_token_ratio_decay_steps_sets_how_fast_admission_recovers() -> None:
+    """A preemption raises the share of each running request's remaining tokens held in
+    reserve (near 1: admission stops); each step then lowers it by (initial - floor) /
+    `new_token_ratio_decay_steps`. At 1 it is back at its floor, and admitting, within a few
+    dozen steps; at the default 600 it stays up for the rest of this run."""
+    fast, fast_stretches, fast_reqs = _preempting_run(1)
+    slow, slow_stretches, slow_reqs = _preempting_run(600)
+    for req in fast_reqs + slow_reqs:
+        assert req.error is None, req.error
+        assert req.output_ids == expected_output(req.input_ids, req.sampling.max_new_tokens)
+    assert fast_stretches and slow_stretches
+    assert max(fast_stretches[0]) > 0.5 and max(slow_stretches[0]) > 0.5  # raised
+    per_step = fast.init_ratio - fast.min_ratio
+    floor_after = int((1.0 - fast.min_ratio) / per_step) + 2
+    for ratios in fast_stretches:
+        if len(ratios) > floor_after:
+            assert ratios[floor_after] == pytest.approx(fast.min_ratio)
+    assert any(len(r) > floor_after for r in fast_stretches)
+    assert all(r > 0.5 for ratios in slow_stretches for r in ratios[:100])
