@@ -537,9 +537,100 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
     }
 }
 
+/* ---- a few rows of x against Q4_0, Q4_1 or Q8_0 blocks, fused: no fp32 copy of the weight --
+ * A block of 32 contributes d * (q . x) + m * sum(x) (Q4_0: m = -8 d; Q8_0: m = 0), the block
+ * sums of x computed once per call. The panel path (and the reference) dequantizes first,
+ * d * q + m, and then takes the dot: the same sum reassociated, so the two agree to fp32
+ * rounding, not bit for bit. One pass over the packed bytes instead of unpack, store, reload:
+ * at one row, SmolLM2's Q4_1 projections ran 2-3x faster. */
+#define FUSED_ROWS 4
+static inline int FN(fused_type)(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
+}
+
+#define FSTEP(m, w, off)                                                                    \
+    if (mr > m) t##m = FMA(w, ld(xb + m * ldx + (off)), t##m);
+#define FEND(m)                                                                             \
+    if (mr > m) a##m = FMA(vd, t##m, a##m), c##m += mn * xs[m * nb + b];
+static inline __attribute__((always_inline)) void FN(fused_row)(
+    const int mr, const float *x, int64_t ldx, int64_t K, const float *xs, const uint8_t *p,
+    int qtype, float s[FUSED_ROWS]) {
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    const int64_t nb = K / 32;
+    const int bytes = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34;
+    for (int64_t b = 0; b < nb; b++, p += bytes) {
+        const float d = half(p);
+        const float *xb = x + b * 32;
+        vf t0 = {}, t1 = {}, t2 = {}, t3 = {};
+        float mn = 0.f;
+        if (qtype == Q8_0) {
+            for (int c = 0; c < 32; c += VW) {
+                vf w = tof(FN(ldsb)(p + 2 + c));
+                FSTEP(0, w, c) FSTEP(1, w, c) FSTEP(2, w, c) FSTEP(3, w, c)
+            }
+        } else {
+            const uint8_t *q = p + (qtype == Q4_1 ? 4 : 2);
+            mn = qtype == Q4_1 ? half(p + 2) : -8.f * d;
+            for (int c = 0; c < 16; c += VW) {
+                vi v = ldb(q + c);
+                vf lo = tof(v & 15), hi = tof(v >> 4);
+                FSTEP(0, lo, c) FSTEP(1, lo, c) FSTEP(2, lo, c) FSTEP(3, lo, c)
+                FSTEP(0, hi, 16 + c) FSTEP(1, hi, 16 + c) FSTEP(2, hi, 16 + c) FSTEP(3, hi, 16 + c)
+            }
+        }
+        vf vd = splat(d);
+        FEND(0) FEND(1) FEND(2) FEND(3)
+    }
+    s[0] = FN(hsum)(a0) + c0;
+    if (mr > 1) s[1] = FN(hsum)(a1) + c1;
+    if (mr > 2) s[2] = FN(hsum)(a2) + c2;
+    if (mr > 3) s[3] = FN(hsum)(a3) + c3;
+}
+#undef FSTEP
+#undef FEND
+
+static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
+                             const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                             const float *bias, float *out, int64_t ldo, int threads) {
+    const int64_t nb = K / 32;
+    float *xs = malloc((size_t)(M * nb) * sizeof(float) + 1);
+    if (!xs) return -2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * 32;
+            vf acc = {};
+            for (int c = 0; c < 32; c += VW) acc += ld(xb + c);
+            xs[m * nb + b] = FN(hsum)(acc);
+        }
+    int64_t work = N * K * (M + 4) / (1 << 17) + 1; /* as the panel path: a few us a thread */
+    int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
+    int64_t chunk = N / (32 * nt) > 4 ? N / (32 * nt) : 4; /* dynamic: a preempted thread's
+                                                              share goes to the others */
+    int64_t chunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        float s[FUSED_ROWS];
+        for (int64_t r = c * chunk; r < (c + 1) * chunk && r < N; r++) {
+            const uint8_t *p = w + r * row_bytes;
+            switch (M) {
+            case 4: FN(fused_row)(4, x, ldx, K, xs, p, qtype, s); break;
+            case 3: FN(fused_row)(3, x, ldx, K, xs, p, qtype, s); break;
+            case 2: FN(fused_row)(2, x, ldx, K, xs, p, qtype, s); break;
+            default: FN(fused_row)(1, x, ldx, K, xs, p, qtype, s); break;
+            }
+            for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
+        }
+    }
+    free(xs);
+    return 0;
+}
+
 static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                        int64_t N, int64_t row_bytes, int qtype, const float *scale,
                        const float *bias, float *out, int64_t ldo, int threads) {
+    if (M <= FUSED_ROWS && FN(fused_type)(qtype))
+        return FN(qlinear_fused)(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
     const int64_t kp = (K + 15) / 16 * 16, panels = (N + NR - 1) / NR;
     /* a few us of work a thread at least; dynamic chunks, several a thread, so the others
      * take the share of a thread another process preempts (the join still waits for it to
