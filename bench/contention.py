@@ -21,8 +21,8 @@ loads issue 35 names, interleaved round by round.
   `OMP_WAIT_POLICY=PASSIVE`).
 - Conditions: quiet, and `hog`: one `python -c "while True: pass"` started 2 s before the
   timed pass and stopped after it. Each repeat runs every (condition, load, system) once,
-  the systems in a rotated order; round 0 warms every system up and is not counted. Rows report the median tokens/s, the
-  share of the quiet median kept, and failed programs.
+  the systems in a rotated order; round 0 warms every system up and is not counted. Rows
+  report the median tokens/s, the share of the quiet median kept, and failed programs.
 """
 
 from __future__ import annotations

@@ -330,7 +330,6 @@ def test_short_cached_prefix_copied_into_own_run(page_size: int) -> None:
         assert req.output_ids == expected_output(req.input_ids, 30)
 
 
-
 def _preempting_run(decay_steps: int) -> tuple[Scheduler, list[list[float]], list[Req]]:
     """The tight-pool workload; -> the scheduler, the reserve ratio after each step of every
     stretch between preemptions (each starts at a step that preempted), and the requests."""
