@@ -544,6 +544,7 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
  * rounding, not bit for bit. One pass over the packed bytes instead of unpack, store, reload:
  * at one row, SmolLM2's Q4_1 projections ran 2-3x faster. */
 #define FUSED_ROWS 4
+#define FUSED_SPLIT (1 << 23) /* N * K * (M + 4) per thread, about 100 us of work */
 static inline int FN(fused_type)(int qtype) {
     return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
 }
@@ -603,7 +604,11 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
             for (int c = 0; c < 32; c += VW) acc += ld(xb + c);
             xs[m * nb + b] = FN(hsum)(acc);
         }
-    int64_t work = N * K * (M + 4) / (1 << 17) + 1; /* as the panel path: a few us a thread */
+    /* split only a call of 100 us or more: each split call wakes the sleeping OpenMP worker,
+     * which costs tens of us. At one row this leaves SmolLM2's qkv, o and down projections
+     * on one thread and splits gate_up and the head: a step took 10.3-10.9 ms against
+     * 12.4-14.1 ms when every call was split. */
+    int64_t work = N * K * (M + 4) / FUSED_SPLIT + 1;
     int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
     int64_t chunk = N / (32 * nt) > 4 ? N / (32 * nt) : 4; /* dynamic: a preempted thread's
                                                               share goes to the others */
