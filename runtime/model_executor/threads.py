@@ -33,10 +33,11 @@ SMOOTHING = 0.5  # weight of the newest reading of the neighbours' load
 # a core. A busy process beside our two threads shows about 0.6-0.7 of a core (the three
 # share two); the clients of a busy server, less.
 SLACK = 0.5
-# A reading over a window longer than this (the server sat idle, so no step ticked) says what
-# others did while we were not running: it starts a new window instead of setting the count.
-# Without this, a server idle while another one worked started its next burst on one thread.
-STALE_S = 3 * INTERVAL_S
+# A reading over more than this many intervals (the server sat idle, so no step ticked) says
+# what others did while we were not running: it starts a new window instead of setting the
+# count. Without this, a server idle while another one worked started its next burst on one
+# thread.
+STALE_INTERVALS = 3
 
 
 def _machine_jiffies() -> tuple[int, int]:
@@ -94,7 +95,7 @@ class ThreadGovernor:
             return self.threads
         last_now, last_busy, last_total, last_own = self._last
         self._last = (now, busy, total, own)
-        if now - last_now > max(STALE_S, 3 * self.interval_s):
+        if now - last_now > STALE_INTERVALS * self.interval_s:
             return self.threads  # we were idle: what others did then is not the cores left now
         elapsed = total - last_total
         if elapsed <= 0:
