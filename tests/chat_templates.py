@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
-from family_models import VOCAB, save_family
+from family_models import VOCAB, byte_vocab, save_family
 
 QWEN_TOOLS = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -105,7 +105,7 @@ def chat_tokenizer(family: str) -> transformers.PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     special, tags = TOKENS[family]
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = byte_vocab()
     vocab["<|endoftext|>"] = 256
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -117,11 +117,21 @@ def build_hf_model(family: str, **overrides: Any) -> transformers.PreTrainedMode
     return model.float().eval()
 
 
+def byte_vocab() -> dict[str, int]:
+    """Byte-level BPE's 256 characters, id i for byte i (GPT-2's byte-to-character table:
+    printable Latin-1 bytes are themselves, the rest shift to 256 and up). A fixed order:
+    `ByteLevel.alphabet()` comes from a hash set, so its order (and every id) changed with
+    each process and a test's tokens with it."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    return {chr(b if b in kept else next(shifted)): b for b in range(256)}
+
+
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """Byte-level BPE without merges: ids 0..255 are bytes, 256 is EOS, then specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = byte_vocab()
     vocab["<|endoftext|>"] = 256
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
