@@ -537,16 +537,20 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
     }
 }
 
-/* ---- a few rows of x against Q4_0, Q4_1 or Q8_0 blocks, fused: no fp32 copy of the weight --
- * A block of 32 contributes d * (q . x) + m * sum(x) (Q4_0: m = -8 d; Q8_0: m = 0), the block
- * sums of x computed once per call. The panel path (and the reference) dequantizes first,
+/* ---- a few rows of x against Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, fused: no fp32
+ * copy of the weight. A block of 32 contributes d * (q . x) + m * sum(x) (Q4_0: m = -8 d;
+ * Q8_0: m = 0), the block sums of x computed once per call. The panel path (and the reference) dequantizes first,
  * d * q + m, and then takes the dot: the same sum reassociated, so the two agree to fp32
  * rounding, not bit for bit. One pass over the packed bytes instead of unpack, store, reload:
  * at one row and 2 threads, SmolLM2's Q4_1 gate_up and down ran 1.4-1.6x faster. */
 #define FUSED_ROWS 4
 #define FUSED_SPLIT (1 << 22) /* N * K * (M + 4) per thread, about 50 us of work */
-static inline int FN(fused_type)(int qtype) {
-    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0;
+/* the rows up to which a type is fused: the K types' scales cost more per block, and at 3-4
+ * rows they measured level with the decode path (4096 x 4096, 2 threads: 0.96-1.06x), at one
+ * row 1.2-1.5x faster and at two 1.1x */
+static inline int FN(fused_rows)(int qtype) {
+    if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0) return FUSED_ROWS;
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 2 : 0;
 }
 
 #define FSTEP(m, w, off)                                                                    \
@@ -591,6 +595,110 @@ static inline __attribute__((always_inline)) void FN(fused_row)(
 #undef FSTEP
 #undef FEND
 
+/* Q4_K and Q5_K, fused: sub-block j (32 weights) contributes (d sc_j) (q . x) - (dmin mn_j)
+ * sum(x), xs holding x's sums over 32; sub-blocks 2i and 2i + 1 share their bytes (low and
+ * high nibbles), so they are taken together. */
+#define KSTEP(m)                                                                            \
+    if (mr > m) {                                                                           \
+        l##m = FMA(wl, ld(xb + m * ldx + c), l##m);                                         \
+        h##m = FMA(wh, ld(xb + m * ldx + 32 + c), h##m);                                    \
+    }
+#define KEND(m)                                                                             \
+    if (mr > m) {                                                                           \
+        a##m = FMA(splat(dl), l##m, a##m), a##m = FMA(splat(dh), h##m, a##m);               \
+        c##m -= ml * xs[m * nb + sb] + mh * xs[m * nb + sb + 1];                            \
+    }
+static inline __attribute__((always_inline)) void FN(fused_row_k)(
+    const int mr, const float *x, int64_t ldx, int64_t K, const float *xs, const uint8_t *p,
+    int qtype, float s[FUSED_ROWS]) {
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+    const int five = qtype == Q5_K, stride = five ? 176 : 144;
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < K / 256; b++, p += stride) {
+        __builtin_prefetch(p + 4096), __builtin_prefetch(p + 4096 + 64);
+        const float d = half(p), dmin = half(p + 2);
+        uint8_t sc[8], mn[8];
+        scale_min_k4(p + 4, sc, mn);
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+        for (int j = 0; j < 8; j += 2) {
+            const uint8_t *q = qs + 16 * j;
+            const float *xb = x + b * 256 + 32 * j;
+            const int64_t sb = b * 8 + j;
+            vf l0 = {}, l1 = {}, l2 = {}, l3 = {}, h0 = {}, h1 = {}, h2 = {}, h3 = {};
+            for (int c = 0; c < 32; c += VW) {
+                vi v = ldb(q + c), lo = v & 15, hi = v >> 4;
+                if (five) {
+                    vi vh = ldb(qh + c);
+                    lo |= ((vh >> j) & 1) << 4, hi |= ((vh >> (j + 1)) & 1) << 4;
+                }
+                vf wl = tof(lo), wh = tof(hi);
+                KSTEP(0) KSTEP(1) KSTEP(2) KSTEP(3)
+            }
+            const float dl = d * (float)sc[j], dh = d * (float)sc[j + 1];
+            const float ml = dmin * (float)mn[j], mh = dmin * (float)mn[j + 1];
+            KEND(0) KEND(1) KEND(2) KEND(3)
+        }
+    }
+    s[0] = FN(hsum)(a0) + c0;
+    if (mr > 1) s[1] = FN(hsum)(a1) + c1;
+    if (mr > 2) s[2] = FN(hsum)(a2) + c2;
+    if (mr > 3) s[3] = FN(hsum)(a3) + c3;
+}
+#undef KSTEP
+#undef KEND
+
+/* Q6_K, fused: each group of 16 weights contributes (d sc_g) ((q - 32) . x) */
+#define QSTEP(m)                                                                            \
+    if (mr > m) t##m = FMA(w, ld(xb + m * ldx + c), t##m);
+#define QEND(m)                                                                             \
+    if (mr > m) a##m = FMA(ds, t##m, a##m);
+static inline __attribute__((always_inline)) void FN(fused_row_q6k)(
+    const int mr, const float *x, int64_t ldx, int64_t K, const uint8_t *p,
+    float s[FUSED_ROWS]) {
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t b = 0; b < K / 256; b++, p += 210) {
+        __builtin_prefetch(p + 4096), __builtin_prefetch(p + 4096 + 64);
+        __builtin_prefetch(p + 4096 + 128), __builtin_prefetch(p + 4096 + 192);
+        const uint8_t *ql = p, *qh = p + 128;
+        const int8_t *scales = (const int8_t *)(p + 192);
+        const float d = half(p + 208);
+        for (int g = 0; g < 16; g++) {
+            const int h = g / 8, r0 = 16 * (g % 8);
+            const float *xb = x + b * 256 + 16 * g;
+            vf t0 = {}, t1 = {}, t2 = {}, t3 = {};
+            for (int c = 0; c < 16; c += VW) {
+                const int r = r0 + c;
+                vi lo = ldb(ql + 64 * h + r % 64);
+                lo = r < 64 ? lo & 15 : lo >> 4;
+                vi hi = (ldb(qh + 32 * h + r % 32) >> (2 * (r / 32))) & 3;
+                vf w = tof((lo | (hi << 4)) - 32);
+                QSTEP(0) QSTEP(1) QSTEP(2) QSTEP(3)
+            }
+            vf ds = splat(d * (float)scales[g]);
+            QEND(0) QEND(1) QEND(2) QEND(3)
+        }
+    }
+    s[0] = FN(hsum)(a0);
+    if (mr > 1) s[1] = FN(hsum)(a1);
+    if (mr > 2) s[2] = FN(hsum)(a2);
+    if (mr > 3) s[3] = FN(hsum)(a3);
+}
+#undef QSTEP
+#undef QEND
+
+/* one weight row against mr rows of x, by the row's type */
+static inline __attribute__((always_inline)) void FN(fused_any)(
+    const int mr, const float *x, int64_t ldx, int64_t K, const float *xs, const uint8_t *p,
+    int64_t row_bytes, int qtype, float s[FUSED_ROWS]) {
+    if (qtype == Q4_K || qtype == Q5_K)
+        FN(fused_row_k)(mr, x, ldx, K, xs, p, qtype, s);
+    else if (qtype == Q6_K)
+        FN(fused_row_q6k)(mr, x, ldx, K, p, s);
+    else
+        FN(fused_row)(mr, x, ldx, K, xs, p, row_bytes, qtype, s);
+}
+
 static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
                              const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
                              const float *bias, float *out, int64_t ldo, int threads) {
@@ -620,10 +728,10 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
         for (int64_t r = c * chunk; r < (c + 1) * chunk && r < N; r++) {
             const uint8_t *p = w + r * row_bytes;
             switch (M) {
-            case 4: FN(fused_row)(4, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            case 3: FN(fused_row)(3, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            case 2: FN(fused_row)(2, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            default: FN(fused_row)(1, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+            case 4: FN(fused_any)(4, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+            case 3: FN(fused_any)(3, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+            case 2: FN(fused_any)(2, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+            default: FN(fused_any)(1, x, ldx, K, xs, p, row_bytes, qtype, s); break;
             }
             for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
         }
@@ -635,7 +743,7 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
 static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                        int64_t N, int64_t row_bytes, int qtype, const float *scale,
                        const float *bias, float *out, int64_t ldo, int threads) {
-    if (M <= FUSED_ROWS && FN(fused_type)(qtype))
+    if (M <= FN(fused_rows)(qtype))
         return FN(qlinear_fused)(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
     const int64_t kp = (K + 15) / 16 * 16, panels = (N + NR - 1) / NR;
     /* a few us of work a thread at least; dynamic chunks, several a thread, so the others

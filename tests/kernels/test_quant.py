@@ -199,7 +199,7 @@ def test_set_panel_rows_moves_the_threshold(panel: None) -> None:
     assert native_quant.set_panel_rows(0) == PANEL_ROWS[native_quant.isa()]
 
 
-@pytest.mark.parametrize("m", [5, 21])  # decode and panel path
+@pytest.mark.parametrize("m", [2, 5, 21])  # fused, decode and panel path
 def test_native_strides_and_out(isa: str, m: int) -> None:
     """x rows at a stride, the result written into columns of a wider out; threads split N."""
     w = random_weight(quant.Q5_K, 603, 512)
