@@ -109,3 +109,15 @@ def test_a_reading_across_an_idle_spell_sets_nothing(proc):
     assert governor.changes == 0
     # a neighbour that is still busy once we work again is seen within two readings
     assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1
+
+
+def test_a_reading_we_mostly_waited_through_sets_nothing(proc):
+    """A reading over which we used under half a core (a burst of another program's while we
+    waited between requests, as in a benchmark that alternates systems) starts a new window;
+    a neighbour busy while we work is still seen."""
+    governor = threads.ThreadGovernor(2)
+    governor.now = governor._last[0]
+    assert run(governor, proc, others=0.0, ours=2.0, seconds=2) == [2, 2]
+    assert run(governor, proc, others=2.0, ours=0.2, seconds=3) == [2, 2, 2]
+    assert governor.changes == 0
+    assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1
