@@ -240,6 +240,7 @@ static inline __attribute__((always_inline)) void attend(
            scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
 
 typedef struct { int64_t cost, b, h0, nh; } Task;
+#define ATTENTION_SPLIT (1 << 19) /* keys x query heads x head_dim: about 30 us of work */
 
 static int costlier_first(const void *x, const void *y) {
     int64_t a = ((const Task *)x)->cost, b = ((const Task *)y)->cost;
@@ -275,6 +276,9 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
     const int C = D / VW;
     int64_t total = 0;
     for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
+    /* one thread for a small batch (a single stream's few hundred keys: some 20 us of work):
+     * a parallel region wakes a sleeping OpenMP worker, which costs about as much */
+    if (total * Hkv * G * D < ATTENTION_SPLIT) threads = 1;
     /* A request is one task (its keys stream through once) unless its keys are more than a
      * thread's even share of the batch's: then one task per KV head, so that one long
      * request beside short ones does not leave the other threads idle. Costliest first,
@@ -297,7 +301,7 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
      * schedule the next task in the list was mostly the other thread's, already running:
      * 64 requests of 89 keys, 2 threads, pools cold, took 0.9x the time. */
     int64_t claimed = 0;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), after; i < num_tasks;
          i = after) {
         after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
