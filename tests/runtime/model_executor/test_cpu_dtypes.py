@@ -77,9 +77,10 @@ def first_token_logprobs(engine: Engine, prompts: list, top: int = 3) -> list[di
 
 def test_bf16_weights_on_a_tiny_model_match_fp32(tmp_path, caplog) -> None:
     """A tiny Llama (biases, GQA) loaded as bf16: the start log says what runs, fp32's top 3
-    first tokens are among bf16's top 10 with log-probs within 0.25 (the random weights make
-    logits of about 10, which bf16's rounding moves by about 0.1), and the greedy token is
-    fp32's wherever fp32's top two are further apart than that."""
+    first tokens are among bf16's top 10 with log-probs within 0.5, and the greedy token is
+    fp32's wherever fp32's top two are further apart than that. The random weights make
+    logits of about 10, which bf16's rounding moves by 0.1-0.35 (0.34 seen, with the matmul
+    path the load's timing chose); weights read wrongly move them by several units."""
     path, _ = save_family("llama", tmp_path)
     prompts = ["hello world", "the quick brown fox", "abc", "radixflow"]
     results = {}
@@ -94,16 +95,16 @@ def test_bf16_weights_on_a_tiny_model_match_fp32(tmp_path, caplog) -> None:
         r"bfloat16 weights on CPU: matmuls by (oneDNN packs|F\.linear) with fp32", logged
     )
     for want, got in zip(results["float32"], results["bfloat16"]):
-        assert all(i in got and abs(want[i] - got[i]) < 0.25 for i in want), (want, got)
+        assert all(i in got and abs(want[i] - got[i]) < 0.5 for i in want), (want, got)
         first, second = sorted(want.values(), reverse=True)[:2]
-        if first - second > 0.25:
+        if first - second > 0.5:
             assert max(got, key=got.get) == max(want, key=want.get), (want, got)
 
 
 def test_bf16_smollm2_dequantized_against_fp32(engine) -> None:
     """SmolLM2 dequantized to bf16 against the session's fp32 engine (the same weight values,
-    multiplied from their blocks): the first token's top log-probs within 0.15 and greedy
-    outputs equal for most prompts; without --dequantize-weights the quantized weights
+    multiplied from their blocks): the first token's top log-probs within 0.3 (0.16 seen) and
+    greedy outputs equal for most prompts; without --dequantize-weights the quantized weights
     refuse bf16 with a message saying how."""
     with pytest.raises(UnsupportedModelError, match="pass --dequantize-weights"):
         Engine(model="smollm2", dtype="bfloat16", max_total_tokens=256)
@@ -120,4 +121,4 @@ def test_bf16_smollm2_dequantized_against_fp32(engine) -> None:
     assert sum(g == w for g, w in zip(got, want)) >= 2, (got, want)
     for w, g in zip(want_top, got_top):
         shared = w.keys() & g.keys()
-        assert shared and all(abs(w[i] - g[i]) < 0.15 for i in shared), (w, g)
+        assert shared and all(abs(w[i] - g[i]) < 0.3 for i in shared), (w, g)

@@ -367,6 +367,24 @@ def reference_key(spec: Spec) -> tuple[str, int, int]:
 # ---- the soak -------------------------------------------------------------------------------
 
 
+def served_after_restart(cluster: Cluster, attempts: int = 8) -> int:
+    """Requests the restarted replica (1) has served; when the run sent it none (the
+    cache-aware policy keeps a prompt where the router's tree matched it, and every soak prompt
+    was seen by the survivor), up to `attempts` prompts no replica has seen, one at a time: the
+    policy sends those to the replica with the smallest tree, the restarted one."""
+    served = lambda: stats(cluster.replicas[1])["server"].get("request_generate", 0)  # noqa: E731
+    with httpx.Client(timeout=CALL_TIMEOUT_S) as http:
+        for attempt in range(attempts):
+            if served():
+                break
+            body = {
+                "text": f"Unseen prompt {attempt} {random.random()}: count to three.",
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            }
+            assert http.post(cluster.url + "/generate", json=body).status_code == 200
+    return served()
+
+
 def soak(cluster: Cluster, engine: Any, count: int) -> dict[str, Any]:
     warmup, main, last = (
         make_specs(n, seed) for seed, n in enumerate((count // 4, count // 2, count // 4))
@@ -408,7 +426,7 @@ def soak(cluster: Cluster, engine: Any, count: int) -> dict[str, Any]:
         + after[1]["preemptions"],
         "slots_leaked": [s["total_slots"] - s["free_slots"] - s["evictable_tokens"] for s in after],
         "idle_checks": [s["idle_check"] for s in after],
-        "restarted_served": after[1]["server"].get("request_generate", 0),
+        "restarted_served": served_after_restart(cluster),
         "rss_growth": rss(survivor) / rss_before - 1,
     }
     wrong = [o for o in outcomes if o.kind == "wrong"]
