@@ -97,6 +97,11 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) 
     }
 }
 
+/* N * K * (M + 4) a thread from which a fused call (1-4 rows) splits over threads, as
+ * rf_qset_fused_split set it; 0 for FUSED_SPLIT */
+#define FUSED_SPLIT (1 << 22) /* about 50 us of work */
+static int64_t fused_split_set = 0;
+
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SUFFIX)
@@ -179,6 +184,16 @@ static int panel_rows_set = 0; /* rf_qset_panel_rows's, 0 for PANEL_ROWS */
 int rf_qset_panel_rows(int rows) {
     if (rows >= 0) panel_rows_set = rows;
     return isa() == ISA_BASE ? 0 : panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
+}
+
+/* The work a thread (N * K * (M + 4)) from which a call of 1-4 rows splits over threads:
+ * `work` when work > 0, the default (FUSED_SPLIT) when 0, unchanged when < 0; returns the
+ * current one. Splitting wakes the other OpenMP threads, which pays where they are still
+ * spinning from the last call and costs where they sleep (runtime/model_executor/split.py
+ * chooses from the first decode steps' times). */
+int64_t rf_qset_fused_split(int64_t work) {
+    if (work >= 0) fused_split_set = work;
+    return fused_split_set ? fused_split_set : FUSED_SPLIT;
 }
 
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
@@ -544,7 +559,6 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
  * rounding, not bit for bit. One pass over the packed bytes instead of unpack, store, reload:
  * at one row and 2 threads, SmolLM2's Q4_1 gate_up and down ran 1.4-1.6x faster. */
 #define FUSED_ROWS 4
-#define FUSED_SPLIT (1 << 22) /* N * K * (M + 4) per thread, about 50 us of work */
 /* the rows up to which a type is fused: the K types' scales cost more per block, and at 3-4
  * rows they measured level with the decode path (4096 x 4096, 2 threads: 0.96-1.06x), at one
  * row 1.2-1.5x faster and at two 1.1x */
@@ -717,7 +731,7 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
      * on one thread and splits gate_up, down and the head. With every call split a step took
      * 12.4-14.1 ms against 10.3-10.9 ms from 100 us; from 50 us (and the prefetch above) the
      * step measured 5% faster than from 100 us without it (2026-12-03, 2 runs each). */
-    int64_t work = N * K * (M + 4) / FUSED_SPLIT + 1;
+    int64_t work = N * K * (M + 4) / (fused_split_set ? fused_split_set : FUSED_SPLIT) + 1;
     int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
     int64_t chunk = N / (32 * nt) > 4 ? N / (32 * nt) : 4; /* dynamic: a preempted thread's
                                                               share goes to the others */

@@ -45,6 +45,7 @@ SIGNATURES = {
     "rf_qget_rows": (_C, [_P, _I, _I, _C, _P, _P, _I, _P, _C]),
     "rf_qset_isa": (_C, [_C]),
     "rf_qset_panel_rows": (_C, [_C]),
+    "rf_qset_fused_split": (_I, [_I]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 _state: dict[str, ctypes.CDLL | None] = {}
@@ -79,6 +80,15 @@ def set_panel_rows(rows: int) -> int:
     default, -1 only asks; returns the current ISA's (0 where it has no panel path)."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_panel_rows(rows)
+
+
+def set_fused_split(work: int) -> int:
+    """The work a thread (N * K * (M + 4)) from which a call of 1-4 rows splits over threads,
+    for every caller in this process: `work` > 0 sets it, 0 restores the default, -1 only
+    asks; returns the current one (0 without the library). Splitting changes no result: each
+    output is one thread's sum either way."""
+    lib = library()
+    return 0 if lib is None else lib.rf_qset_fused_split(work)
 
 
 def address(name: str) -> int | None:

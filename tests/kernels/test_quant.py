@@ -268,3 +268,24 @@ def test_isa_environment_variable_lowers_the_path() -> None:
         assert result.stdout.strip() == str(min(level, native_quant.ISAS.index(BEST))), (
             result.stderr[-2000:]
         )
+
+
+def test_fused_split_moves_the_threshold_and_changes_no_result() -> None:
+    """rf_qset_fused_split: set, asked, restored; one row of Q4_1 split over 2 threads or not
+    gives the same bits (each output is one thread's sum)."""
+    default = native_quant.set_fused_split(0)
+    assert default > 0 and native_quant.set_fused_split(1 << 16) == 1 << 16
+    assert native_quant.set_fused_split(-1) == 1 << 16
+    w = random_weight(quant.Q4_1, 1536, 576)
+    x = torch.randn((1, 576), generator=torch.Generator().manual_seed(6))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = native_quant.linear(x, w)
+        native_quant.set_fused_split(0)
+        whole = native_quant.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+        native_quant.set_fused_split(0)
+    assert torch.equal(bits(split), bits(whole))
+    assert_near(whole, quant.linear(x, w))
