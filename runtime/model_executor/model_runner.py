@@ -21,6 +21,7 @@ from radixflow.runtime import models
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
 from radixflow.runtime.model_executor.sampler import sample
+from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
 from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
@@ -215,6 +216,9 @@ class ModelRunner:
         self.governor = governor  # --num-threads auto: threads follow the free cores
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # quantized weights on CPU: small matmuls split over threads where that measures faster
+        quant_cpu = self.device.type == "cpu" and bool(quantized.quant_layers(model))
+        self.split = SplitTuner() if quant_cpu else None
         c = model.config
         shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
         # --kv-cache-dtype: a bf16 pool beside fp32 weights halves the KV memory; attention
@@ -243,8 +247,15 @@ class ModelRunner:
             )  # fmt: skip
 
     def forward(self, plan: BatchPlan) -> StepResult:
-        if self.governor is not None:
-            self.governor.tick()
+        if self.governor is None:
+            return self._forward(plan)
+        self.governor.tick()
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = self._forward(plan)
+        self.governor.stepped(time.perf_counter() - wall, time.process_time() - cpu)
+        return result
+
+    def _forward(self, plan: BatchPlan) -> StepResult:
         if len(plan.copy_src):
             src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
             self.k_caches[:, dst] = self.k_caches[:, src]
@@ -253,7 +264,11 @@ class ModelRunner:
             logits = self.graphs.replay(plan) if self.graphs is not None else None
             if logits is None:
                 batch = self.inputs.forward_batch(plan)
+                if self.split is not None:
+                    self.split.start(len(batch.input_ids), batch.num_extend_tokens == 0)
                 logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32
+                if self.split is not None:
+                    self.split.stop()
             return self._postprocess(logits, plan)
 
     def _postprocess(self, logits: torch.Tensor, plan: BatchPlan) -> StepResult:

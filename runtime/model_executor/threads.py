@@ -13,6 +13,8 @@ runs the model, since OpenMP's thread count is a per-thread setting), reads the 
 busy time (/proc/stat) and this process's own (/proc/self/stat) about once a second; what
 other processes used is the difference. The thread count follows the cores they leave free,
 smoothed so one burst does not flip it, never below one nor above the configured maximum.
+A thread is dropped only while our own steps show the contention: the runner reports each
+step's wall and CPU time (`stepped`), and their threads must have run under 80% of the time.
 On a quiet machine it stays at the maximum (the reading costs a few microseconds a second).
 Where /proc cannot be read it stays at the maximum.
 """
@@ -38,12 +40,17 @@ SLACK = 0.5
 # count. Without this, a server idle while another one worked started its next burst on one
 # thread.
 STALE_INTERVALS = 3
-# A reading over which this process used less than this many cores (it sat idle for most of
-# it, between requests) says what others did while we waited, not what contends with our
-# steps: it only starts a new window. In a benchmark that alternates systems, each one's burst
-# otherwise cost the next system's first second a thread (single stream: 87 tok/s against
-# 110-115 with both threads throughout).
-MIN_OWN_CORES = 0.5
+# A thread is dropped only while our steps' threads are not getting their cores: over the
+# steps since the last reading, CPU time / (wall time x threads) below this. The /proc reading
+# says how busy others were over the whole interval, not whether they ran while we did: in a
+# benchmark alternating systems (or beside any program that works while we wait), others'
+# bursts fall between our steps. Measured on 2 cores with 2 threads: 0.98-1.00 quiet, 0.51-0.52
+# beside one busy process (whose steps then took 12-27 times as long).
+CONTENDED_SHARE = 0.8
+# Steps that show contention bring the next reading forward to this many seconds after the
+# last: with 2 threads beside a busy process a single stream's steps took 27 times as long,
+# so a second's wait cost a stream about as many tokens as the rest of its run.
+EARLY_S = 0.2
 
 
 def _machine_jiffies() -> tuple[int, int]:
@@ -83,17 +90,36 @@ class ThreadGovernor:
         self.threads = self.max_threads
         self._last: tuple[float, int, int, int] | None = None
         self.changes = 0
+        self._cpu = self._wall = 0.0  # our steps since the last reading: CPU, wall x threads
         try:
             self._last = (time.monotonic(), *_machine_jiffies(), _own_jiffies())
         except (OSError, ValueError, IndexError):
             log.info("--num-threads auto: /proc unreadable, keeping %d threads", self.max_threads)
+
+    def stepped(self, wall_s: float, cpu_s: float) -> None:
+        """A step took `wall_s` seconds and this process `cpu_s` seconds of CPU (all threads)."""
+        self._wall += wall_s * torch.get_num_threads()
+        self._cpu += cpu_s
+
+    def _contended(self) -> bool:
+        """Steps of at least EARLY_S (threads x wall) since the last reading, whose threads ran
+        under CONTENDED_SHARE of it: a reading is due now, not at the end of the interval."""
+        return self._wall >= EARLY_S and self._cpu < CONTENDED_SHARE * self._wall
+
+    def share(self) -> float:
+        """The share of their time our steps' threads ran since the last reading (1.0 when no
+        step was timed); starts a new count."""
+        share = self._cpu / self._wall if self._wall > 0 else 1.0
+        self._cpu = self._wall = 0.0
+        return share
 
     def tick(self, now: float | None = None) -> int:
         """Re-read the load when a reading is due, set the thread count; -> the count."""
         if self._last is None:
             return self.threads
         now = time.monotonic() if now is None else now
-        if now - self._last[0] < self.interval_s:
+        since = now - self._last[0]
+        if since < self.interval_s and not (since >= EARLY_S and self._contended()):
             return self.threads
         try:
             busy, total, own = *_machine_jiffies(), _own_jiffies()
@@ -101,17 +127,20 @@ class ThreadGovernor:
             return self.threads
         last_now, last_busy, last_total, last_own = self._last
         self._last = (now, busy, total, own)
+        share = self.share()
         if now - last_now > STALE_INTERVALS * self.interval_s:
             return self.threads  # we were idle: what others did then is not the cores left now
         elapsed = total - last_total
         if elapsed <= 0:
             return self.threads
-        if (own - last_own) / elapsed * self.cores < MIN_OWN_CORES:
-            return self.threads  # we mostly waited: others' use then did not slow our steps
         others = max(0.0, (busy - last_busy) - (own - last_own)) / elapsed * self.cores
         self.others = SMOOTHING * others + (1 - SMOOTHING) * self.others
+        if share < CONTENDED_SHARE:  # our steps show it: act on this reading, not the average
+            self.others = max(self.others, others)
         free = self.cores - self.others
         want = max(1, min(self.max_threads, int(free + SLACK)))
+        if want < self.threads and share >= CONTENDED_SHARE:
+            want = self.threads  # our threads ran whenever they were ready: nothing to drop
         if want != self.threads:
             log.info(
                 "other processes use %.1f of %d cores: %d compute threads (was %d)",

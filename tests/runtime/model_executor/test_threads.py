@@ -34,11 +34,16 @@ def proc(monkeypatch):
     torch.set_num_threads(before)
 
 
-def run(governor, proc, others: float, ours: float, seconds: int) -> list[int]:
+def run(
+    governor, proc, others: float, ours: float, seconds: int, stepping: float = 1.0
+) -> list[int]:
+    """Each second: others and we use those cores; our steps fill `stepping` of the second
+    (the rest we wait), their threads running `ours` cores' worth of it."""
     counts = []
     for _ in range(seconds):
         proc.others, proc.ours = others, ours
         proc.advance()
+        governor.stepped(stepping, ours)
         governor.now += 1.0
         counts.append(governor.tick(governor.now))
     return counts
@@ -111,13 +116,35 @@ def test_a_reading_across_an_idle_spell_sets_nothing(proc):
     assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1
 
 
-def test_a_reading_we_mostly_waited_through_sets_nothing(proc):
-    """A reading over which we used under half a core (a burst of another program's while we
-    waited between requests, as in a benchmark that alternates systems) starts a new window;
-    a neighbour busy while we work is still seen."""
+def test_others_busy_only_between_our_steps_take_nothing(proc):
+    """Another program that works while we wait (a benchmark alternating systems): over each
+    second others used a core and a half, but our steps' threads always ran, so no thread is
+    dropped; the same load while our steps' threads wait for their cores takes one."""
     governor = threads.ThreadGovernor(2)
     governor.now = governor._last[0]
-    assert run(governor, proc, others=0.0, ours=2.0, seconds=2) == [2, 2]
-    assert run(governor, proc, others=2.0, ours=0.2, seconds=3) == [2, 2, 2]
+    assert run(governor, proc, others=1.5, ours=0.5, seconds=4, stepping=0.25) == [2] * 4
     assert governor.changes == 0
-    assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1
+    assert run(governor, proc, others=1.0, ours=1.0, seconds=2)[-1] == 1  # share 0.5
+
+
+def test_the_share_is_each_steps_cpu_over_its_threads_time(proc):
+    governor = threads.ThreadGovernor(2)
+    torch.set_num_threads(2)
+    governor.stepped(0.010, 0.020)
+    governor.stepped(0.010, 0.010)
+    assert governor.share() == pytest.approx(0.75)
+    assert governor.share() == 1.0  # counted anew; no steps: no sign of contention
+
+
+def test_steps_that_show_contention_bring_the_reading_forward(proc):
+    """A reading is due a second after the last, or from EARLY_S once the steps since then
+    ran their threads under CONTENDED_SHARE of the time."""
+    governor = threads.ThreadGovernor(2)
+    start = governor._last[0]
+    torch.set_num_threads(2)
+    proc.others, proc.ours = 1.0, 1.0
+    proc.advance()
+    governor.stepped(0.3, 0.6)  # threads ran the whole time: not early
+    assert governor.tick(start + 0.3) == 2 and governor._last[0] == start
+    governor.stepped(0.3, 0.3)  # now 0.9 of 1.2 thread-seconds: 0.75
+    assert governor.tick(start + 0.6) == 1 and governor._last[0] == start + 0.6
