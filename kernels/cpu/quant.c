@@ -559,6 +559,12 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
  * rounding, not bit for bit. One pass over the packed bytes instead of unpack, store, reload:
  * at one row and 2 threads, SmolLM2's Q4_1 gate_up and down ran 1.4-1.6x faster. */
 #define FUSED_ROWS 4
+/* the mr sums of a fused row: vector accumulators a0.. plus scalar terms c0.. */
+#define FUSED_SUMS                                                                          \
+    s[0] = FN(hsum)(a0) + c0;                                                               \
+    if (mr > 1) s[1] = FN(hsum)(a1) + c1;                                                   \
+    if (mr > 2) s[2] = FN(hsum)(a2) + c2;                                                   \
+    if (mr > 3) s[3] = FN(hsum)(a3) + c3;
 /* the rows up to which a type is fused: the K types' scales cost more per block, and at 3-4
  * rows they measured level with the decode path (4096 x 4096, 2 threads: 0.96-1.06x), at one
  * row 1.2-1.5x faster and at two 1.1x */
@@ -601,10 +607,7 @@ static inline __attribute__((always_inline)) void FN(fused_row)(
         vf vd = splat(d);
         FEND(0) FEND(1) FEND(2) FEND(3)
     }
-    s[0] = FN(hsum)(a0) + c0;
-    if (mr > 1) s[1] = FN(hsum)(a1) + c1;
-    if (mr > 2) s[2] = FN(hsum)(a2) + c2;
-    if (mr > 3) s[3] = FN(hsum)(a3) + c3;
+    FUSED_SUMS
 }
 #undef FSTEP
 #undef FEND
@@ -654,10 +657,7 @@ static inline __attribute__((always_inline)) void FN(fused_row_k)(
             KEND(0) KEND(1) KEND(2) KEND(3)
         }
     }
-    s[0] = FN(hsum)(a0) + c0;
-    if (mr > 1) s[1] = FN(hsum)(a1) + c1;
-    if (mr > 2) s[2] = FN(hsum)(a2) + c2;
-    if (mr > 3) s[3] = FN(hsum)(a3) + c3;
+    FUSED_SUMS
 }
 #undef KSTEP
 #undef KEND
@@ -693,13 +693,12 @@ static inline __attribute__((always_inline)) void FN(fused_row_q6k)(
             QEND(0) QEND(1) QEND(2) QEND(3)
         }
     }
-    s[0] = FN(hsum)(a0);
-    if (mr > 1) s[1] = FN(hsum)(a1);
-    if (mr > 2) s[2] = FN(hsum)(a2);
-    if (mr > 3) s[3] = FN(hsum)(a3);
+    const float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f; /* no scalar terms: Q6_K has no mins */
+    FUSED_SUMS
 }
 #undef QSTEP
 #undef QEND
+#undef FUSED_SUMS
 
 /* one weight row against mr rows of x, by the row's type */
 static inline __attribute__((always_inline)) void FN(fused_any)(
