@@ -82,7 +82,7 @@ class ServerConfig:
         "compute threads: auto (all cores, one fewer for each core other processes keep busy "
         "while the steps' own threads wait for their cores, re-read every second: "
         "runtime/model_executor/threads.py; beside a busy process it keeps 54-58%% of quiet "
-        "throughput where fixed threads kept 9%%, and it measures level on a quiet machine), "
+        "throughput where fixed threads kept 9-10%%, and it measures level on a quiet machine), "
         "or a fixed number (0 = torch's default, all cores)",
     )
     self_check: bool = _knob(False, "verify KV/tree invariants after every step (tests)")
