@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -103,9 +104,11 @@ def build(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
         cpu = next((line for line in _cpuinfo() if line.startswith("flags")), "")
-        key = hashlib.sha256(
-            "\0".join([source.read_text(), compiler, version, *flags, cpu]).encode()
-        ).hexdigest()[:16]
+        texts = [source.read_text()]  # and the files it includes from its folder
+        for included in re.findall(r'^#include "([^"]+)"', texts[0], re.MULTILINE):
+            texts.append((source.parent / included).read_text())
+        key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, cpu]).encode())
+        key = key.hexdigest()[:16]
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
         target = root / "native" / f"{name}-{key}.so"
         if not target.exists():

@@ -129,6 +129,7 @@ static int64_t fused_split_set = 0;
 #undef VW
 #undef MR
 #pragma GCC pop_options
+#include "quant_amx.c" /* many rows on AMX tiles, where the CPU has them */
 #endif
 
 #define SUFFIX _base
@@ -205,6 +206,9 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:
+        if (M >= rf_qset_amx_rows(-1) && rf_qset_amx_rows(-1) > 0 && K % 32 == 0)
+            return qlinear_amx(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo,
+                               threads);
         if (M >= rows)
             return qlinear_rows_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out,
                                        ldo, threads);

@@ -46,6 +46,7 @@ SIGNATURES = {
     "rf_qset_isa": (_C, [_C]),
     "rf_qset_panel_rows": (_C, [_C]),
     "rf_qset_fused_split": (_I, [_I]),
+    "rf_qset_amx_rows": (_C, [_C]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 _state: dict[str, ctypes.CDLL | None] = {}
@@ -89,6 +90,18 @@ def set_fused_split(work: int) -> int:
     output is one thread's sum either way."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_fused_split(work)
+
+
+def set_amx_rows(rows: int) -> int:
+    """From how many rows of x `linear` takes the AMX path (bf16x3 tile products, on CPUs
+    with AMX-BF16: quant_amx.c), for every caller in this process: `rows` > 0 sets it (a
+    huge value turns it off), 0 restores the measured default, -1 only asks; returns it, or 0
+    where the path is not available (no library, no AMX, RADIXFLOW_QUANT_AMX=0, or an ISA
+    lowered below AVX-512)."""
+    lib = library()
+    if lib is None or isa() != "avx512":
+        return 0
+    return lib.rf_qset_amx_rows(rows)
 
 
 def address(name: str) -> int | None:

@@ -173,8 +173,10 @@ def panel(isa: str) -> Iterator[None]:
     if native_quant.set_panel_rows(1) != 1:
         native_quant.set_panel_rows(0)
         pytest.skip(f"no panel path on {isa}")
+    native_quant.set_amx_rows(1 << 30)  # not the AMX path, where the CPU has one
     yield
     native_quant.set_panel_rows(0)
+    native_quant.set_amx_rows(0)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=quant.NAMES.get)
@@ -191,6 +193,48 @@ def test_panel_path_matches_reference(panel: None, qtype: int) -> None:
             expected = quant.linear(x, w)
             assert_near(native_quant.linear(x, w), expected)
             assert_near(native_quant.linear(x, w, bias), expected + bias)
+
+
+@pytest.fixture
+def amx() -> Iterator[None]:
+    """Every call of 1 row or more through the AMX path (skipped where the CPU has no AMX or
+    the ISA is lowered), the threshold restored."""
+    if native_quant.set_amx_rows(1) != 1:
+        native_quant.set_amx_rows(0)
+        pytest.skip("no AMX path here (no AMX-BF16, or an ISA below AVX-512)")
+    yield
+    native_quant.set_amx_rows(0)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=quant.NAMES.get)
+def test_amx_path_matches_reference(amx: None, qtype: int) -> None:
+    """bf16x3 tile products within the fp32 tolerance: partial 32-row blocks, a partial
+    panel and an odd panel count (37, 100 output features), chunks of 64 (100), x at a row
+    stride, a bias; K not a multiple of 32 (F16/BF16 at 77) falls back to the fp32 paths."""
+    gen = torch.Generator().manual_seed(6)
+    for n, k in ((37, k_for(qtype)), (100, 1024 if quant.BLOCK[qtype][0] > 1 else 1101)):
+        w = random_weight(qtype, n, k, seed=qtype)
+        bias = torch.randn(n, generator=gen)
+        for m in (1, 5, 31, 32, 33, 70):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+            expected = quant.linear(x, w)
+            assert_near(native_quant.linear(x, w), expected)
+            assert_near(native_quant.linear(x, w, bias), expected + bias)
+
+
+def test_amx_path_is_taken_from_its_threshold(amx: None) -> None:
+    """Its sums differ from the fp32 panel path's in the last bits (bf16x3), so which path ran
+    shows: AMX at and above the threshold, the panel path below it."""
+    w = random_weight(quant.Q4_1, 64, 512)
+    x = torch.randn((40, 512), generator=torch.Generator().manual_seed(7))
+    assert native_quant.set_amx_rows(0) == 32  # the measured default
+    native_quant.set_amx_rows(1 << 30)
+    fp32 = native_quant.linear(x, w)
+    native_quant.set_amx_rows(33)
+    assert torch.equal(native_quant.linear(x[:32], w), fp32[:32]), "32 rows: the panel path"
+    tiles = native_quant.linear(x, w)
+    assert not torch.equal(tiles, fp32), "40 rows: the AMX path"
+    assert_near(tiles, quant.linear(x, w))
 
 
 def test_set_panel_rows_moves_the_threshold(panel: None) -> None:
