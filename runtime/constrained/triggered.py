@@ -13,7 +13,9 @@ The grammar key is ("structural_tag", JSON text): SGLang's structural tag,
      "structures": [{"begin": "<function=f>", "schema": {...}, "end": "</function>"}, ...]}
 (each begin starts with a trigger; once a trigger is written, the structures whose begin
 starts with it constrain what follows: the rest of the begin, the JSON, the end), and
-radixflow's additions:
+or xgrammar's newer form, {"type": "structural_tag", "format": {"type": "triggered_tags",
+"triggers": [...], "tags": [{"begin", "content": {"type": "json_schema", ...}, "end"}]}}
+(`from_format` translates it), and radixflow's additions:
     structure "regex" / "ebnf"   instead of "schema" (ebnf only where begin is the trigger and
                                  end is empty: the body's own grammar, no text around it)
     "after": text                nothing is watched until the output contains it ("</think>")
@@ -78,6 +80,8 @@ def parse_spec(text: str, whitespace: str | None = None) -> TriggerSpec:
         raise GrammarError(f"invalid structural_tag: not valid JSON ({e})") from e
     if not isinstance(spec, dict) or spec.get("type", KIND) != KIND:
         raise GrammarError('structural_tag must be {"type": "structural_tag", ...}')
+    if "format" in spec:  # xgrammar's newer form, as SGLang passes it through
+        spec = {**from_format(spec["format"]), "after": spec.get("after", "")}
     structures, triggers = spec.get("structures"), spec.get("triggers")
     if not isinstance(structures, list) or not structures or not _strings(triggers):
         raise GrammarError("structural_tag needs a non-empty list of structures and triggers")
@@ -100,6 +104,58 @@ def parse_spec(text: str, whitespace: str | None = None) -> TriggerSpec:
         if mine:
             keyed.append((trigger, _key(trigger, mine, whitespace)))
     return TriggerSpec(tuple(keyed), after, **flags)
+
+
+CONTENTS = {"json_schema": ("schema", "json_schema"), "regex": ("regex", "pattern"),
+            "grammar": ("ebnf", "grammar")}  # fmt: skip
+FORMATS = ("triggered_tags", "tag", "json_schema", "regex", "grammar", "const_string")
+
+
+def from_format(fmt: Any) -> dict[str, Any]:
+    """xgrammar's structural-tag `format` (the form SGLang and xgrammar document) as the
+    structures-and-triggers form above:
+      triggered_tags {triggers, tags: [tag], at_least_one, stop_after_first}
+          -> the same triggers; at_least_one: the reply opens with a tag (trigger ""), and
+             text after it is free unless stop_after_first
+      tag {begin, content, end}  -> exactly that tag
+      json_schema / regex / grammar / const_string -> exactly that content
+    A tag's content is json_schema {json_schema}, regex {pattern}, grammar {grammar} (EBNF)
+    or const_string {value}. Other format types (sequence, or, any_text, tags_with_separator)
+    are refused by name."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in FORMATS:
+        raise GrammarError(
+            f"structural_tag.format.type {kind!r} is not supported; supported: {FORMATS}"
+        )
+    if kind == "triggered_tags":
+        tags, triggers = fmt.get("tags"), fmt.get("triggers")
+        if not isinstance(tags, list) or not tags or not _strings(triggers) or not triggers:
+            raise GrammarError("structural_tag.format: triggered_tags needs triggers and tags")
+        flags = {k: fmt.get(k, False) for k in ("at_least_one", "stop_after_first")}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise GrammarError("structural_tag.format: at_least_one, stop_after_first booleans")
+        structures = [_tag(t, f"tags[{i}]") for i, t in enumerate(tags)]
+        return {"structures": structures, "triggers": [""] if flags["at_least_one"] else triggers,
+                "stop_after_first": flags["stop_after_first"]}  # fmt: skip
+    whole = fmt if kind == "tag" else {"begin": "", "content": fmt, "end": ""}
+    return {"structures": [_tag(whole, "format")], "triggers": [""], "stop_after_first": True}
+
+
+def _tag(tag: Any, where: str) -> dict[str, Any]:
+    """One xgrammar tag {begin, content, end} as a structure."""
+    ok = isinstance(tag, dict) and _strings([tag.get("begin"), tag.get("end", "")])
+    content = tag.get("content") if ok else None
+    kind = content.get("type") if isinstance(content, dict) else None
+    end = tag.get("end", "") if ok else ""
+    if kind == "const_string" and isinstance(content.get("value"), str):
+        return {"begin": tag["begin"], "regex": re.escape(content["value"]), "end": end}
+    if not ok or kind not in CONTENTS or CONTENTS[kind][1] not in content:
+        raise GrammarError(
+            f"structural_tag.format.{where} needs begin, end and a content of type "
+            "json_schema, regex, grammar or const_string"
+        )
+    body, field = CONTENTS[kind]
+    return {"begin": tag["begin"], body: content[field], "end": end}
 
 
 def _strings(value: Any) -> bool:

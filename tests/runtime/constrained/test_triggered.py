@@ -132,3 +132,43 @@ def test_bad_structural_tags_are_named() -> None:
             "triggers": ["<f="]}  # fmt: skip
     ((trigger, (kind, regex)),) = parse_spec(json.dumps(many)).triggers
     assert trigger == "<f=" and kind == "regex" and "a>" in regex and "b>" in regex
+
+
+def xgrammar_hermes(**flags: Any) -> dict[str, Any]:
+    """HERMES in xgrammar's newer form (structural_tag.format), as SGLang passes it on."""
+    tag = {"type": "tag", "begin": "<tool_call>\n", "end": "\n</tool_call>",
+           "content": {"type": "json_schema", "json_schema": CALL}}  # fmt: skip
+    fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [tag], **flags}
+    return {"type": "structural_tag", "format": fmt}
+
+
+def test_xgrammar_formats_mean_the_same_constraints() -> None:
+    assert parse_spec(json.dumps(xgrammar_hermes())) == parse_spec(json.dumps(HERMES))
+    first = parse_spec(json.dumps(xgrammar_hermes(stop_after_first=True)))
+    assert first == parse_spec(json.dumps({**HERMES, "stop_after_first": True}))
+    regex = {"type": "structural_tag", "format": {"type": "regex", "pattern": "[0-9]+"}}
+    assert parse_spec(json.dumps(regex)).triggers == (("", ("regex", "[0-9]+")),)
+    const = {"type": "tag", "begin": "<a>", "end": "</a>",
+             "content": {"type": "const_string", "value": "x.y"}}  # fmt: skip
+    ((trigger, (kind, body)),) = parse_spec(json.dumps({"format": const})).triggers
+    assert trigger == "" and kind == "regex" and "x\\.y" in body
+    bad = [{"type": "sequence", "elements": []}, {"type": "triggered_tags", "triggers": ["<a>"]},
+           {"type": "tag", "begin": "<a>", "end": "", "content": {"type": "any_text"}},
+           {"type": "triggered_tags", "triggers": ["<a>"], "tags": [{"begin": "<a>"}]}]  # fmt: skip
+    for fmt in bad:
+        with pytest.raises(GrammarError, match=r"structural_tag\.format"):
+            parse_spec(json.dumps({"type": "structural_tag", "format": fmt}))
+
+
+def test_xgrammar_at_least_one_opens_with_a_tag(backend: Any, tokenizer: Any) -> None:
+    size = len(tokenizer) + 4
+    g = grammar(backend, xgrammar_hermes(at_least_one=True, stop_after_first=True))
+    mask = allowed(g, size)
+    assert not mask[tokenizer.encode("x")[0]] and not mask[EOS]  # no free text first
+    write(g, tokenizer, "<tool_call>", size, one_byte=False)  # llguidance: the one token
+    write(g, tokenizer, '\n{"a": 7}\n</tool_call>', size)
+    assert g.is_terminated()
+    g = grammar(backend, {"type": "structural_tag",
+                          "format": {"type": "json_schema", "json_schema": CALL}})  # fmt: skip
+    write(g, tokenizer, '{"a": 2}', size)
+    assert allowed(g, size)[EOS] and not allowed(g, size)[tokenizer.encode("x")[0]]

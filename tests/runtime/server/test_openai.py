@@ -207,6 +207,35 @@ def test_response_format_json_schema_validates(client: openai.OpenAI, model: str
     )
 
 
+def test_response_format_structural_tag_in_xgrammar_form(
+    client: openai.OpenAI, model: str
+) -> None:
+    """SGLang passes xgrammar's newer structural tag (format: triggered_tags) on: the reply
+    must open with the tag (at_least_one), its JSON valid, nothing after it (stop_after_first)."""
+    tag = {"type": "tag", "begin": "<person>", "end": "</person>",
+           "content": {"type": "json_schema", "json_schema": SCHEMA}}  # fmt: skip
+    fmt = {"type": "triggered_tags", "triggers": ["<person>"], "tags": [tag],
+           "at_least_one": True, "stop_after_first": True}  # fmt: skip
+    out = client.chat.completions.create(
+        model=model,
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "structural_tag", "format": fmt},  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "Describe a person."}],
+    )
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop", text
+    assert text.startswith("<person>") and text.endswith("</person>"), text
+    jsonschema.validate(json.loads(text[len("<person>") : -len("</person>")]), SCHEMA)
+    with pytest.raises(openai.BadRequestError, match="format"):
+        client.chat.completions.create(
+            model=model,
+            max_tokens=4,
+            response_format={"type": "structural_tag", "format": {"type": "or"}},  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "Hi."}],
+        )
+
+
 def test_sglang_regex_and_stop(client: openai.OpenAI, model: str) -> None:
     out = client.chat.completions.create(
         model=model,
