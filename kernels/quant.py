@@ -9,7 +9,10 @@ the loader agree.
 
 Integer codes are ggml's `GGMLQuantizationType`, plus two of ours: `I8` (int8 per output
 channel, an fp32 scale per row) and `Q4G128` (AWQ/GPTQ 4-bit groups of 128: f32 d, f32 m,
-64 bytes of nibbles laid out as Q4_1's, w = d * q + m).
+64 bytes of nibbles laid out as Q4_1's, w = d * q + m), and `Q4_1R`: Q4_1's values with a
+row's blocks split into its fp16 d's, its fp16 m's, then its 16-byte nibble groups (the same
+20 bytes a block; `repack` makes it, `unpack` undoes it). The native one-row kernel reads it
+1.1x faster than Q4_1 (16 scales converted at once, nibble loads not straddling blocks).
 """
 
 from __future__ import annotations
@@ -22,16 +25,16 @@ import torch
 import torch.nn.functional as F
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-I8, Q4G128 = 1000, 1001
+I8, Q4G128, Q4_1R = 1000, 1001, 1002
 BLOCK = {  # qtype: (weights per block, bytes per block)
     F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
     Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-    I8: (1, 1), Q4G128: (128, 72),
+    I8: (1, 1), Q4G128: (128, 72), Q4_1R: (32, 20),
 }  # fmt: skip
 NAMES = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
     Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", I8: "I8",
-    Q4G128: "Q4G128",
+    Q4G128: "Q4G128", Q4_1R: "Q4_1R",
 }  # fmt: skip
 GGUF_QUANTIZE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 
@@ -143,8 +146,30 @@ def _blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
     raise ValueError(f"no block formula for qtype {qtype}")
 
 
+def repack(w: QuantWeight) -> QuantWeight:
+    """A Q4_1 weight as Q4_1R (the same values; rows of [d x nb][m x nb][nibbles x nb])."""
+    assert w.qtype == Q4_1, w.name
+    n, k = w.shape
+    b = w.data.view(n, k // 32, 20)
+    data = torch.cat([b[:, :, :2].reshape(n, -1), b[:, :, 2:4].reshape(n, -1),
+                      b[:, :, 4:].reshape(n, -1)], dim=1)  # fmt: skip
+    return QuantWeight(Q4_1R, data.contiguous(), (n, k))
+
+
+def unpack(w: QuantWeight) -> QuantWeight:
+    """A Q4_1R weight back in Q4_1's blocks."""
+    assert w.qtype == Q4_1R, w.name
+    n, k = w.shape
+    nb = k // 32
+    d, m, q = w.data[:, : 2 * nb], w.data[:, 2 * nb : 4 * nb], w.data[:, 4 * nb :]
+    blocks = torch.cat([d.reshape(n, nb, 2), m.reshape(n, nb, 2), q.reshape(n, nb, 16)], dim=2)
+    return QuantWeight(Q4_1, blocks.reshape(n, 20 * nb).contiguous(), (n, k))
+
+
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(N, K) fp32, bit-exact with gguf.quants.dequantize for the GGUF types."""
+    if w.qtype == Q4_1R:
+        w = unpack(w)
     n, k = w.shape
     if w.qtype in (F32, F16, BF16):
         dtype = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[w.qtype]

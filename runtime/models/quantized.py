@@ -15,6 +15,8 @@ reference's (the weights dequantized, then F.linear) up to the order of the addi
   `choose_dense_rows` times both on the model's own first layer at load, as `prepack` does
   for fp32 weights, and the choice is logged.
 - `QuantEmbedding` looks rows up from the same blocks; a tied LM head multiplies from them.
+- Q4_1 projections are held as Q4_1R (`quant.repack`: a row's d's, m's and nibbles apart, the
+  same bytes) where the kernel runs AVX-512: its one-row kernel reads that 1.1-1.2x faster.
 - Where the native library cannot be built, each call takes the reference (dequantize +
   F.linear): slower, same numbers.
 """
@@ -63,6 +65,14 @@ def _join(parts: Sequence[Part]) -> list[Part]:
     return out
 
 
+def _for_kernel(part: Part) -> Part:
+    """Q4_1 as Q4_1R where the kernel runs AVX-512 (same values; its one-row kernel is
+    1.1-1.2x faster on Q4_1R's layout); everything else as it is."""
+    if isinstance(part, quant.QuantWeight) and part.qtype == quant.Q4_1 and native.isa() == "avx512":
+        return quant.repack(part)
+    return part
+
+
 def _rows(part: Part) -> int:
     return part.shape[0]
 
@@ -72,7 +82,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, parts: Sequence[Part], bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.parts = _join(parts)
+        self.parts = [_for_kernel(p) for p in _join(parts)]
         self.in_features = self.parts[0].shape[1]
         self.out_features = sum(_rows(p) for p in self.parts)
         self.offsets = [0]
@@ -89,7 +99,9 @@ class QuantLinear(nn.Module):
 
     @property
     def types(self) -> list[str]:
-        return [p.name if isinstance(p, quant.QuantWeight) else "F32" for p in self.parts]
+        """The block types as the file stores them (Q4_1R is Q4_1's values, rearranged)."""
+        names = [p.name if isinstance(p, quant.QuantWeight) else "F32" for p in self.parts]
+        return ["Q4_1" if name == "Q4_1R" else name for name in names]
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 (out, in) weight: the reference's matrix."""

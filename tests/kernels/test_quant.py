@@ -27,7 +27,7 @@ GGUF_TYPES = [
     quant.F16, quant.BF16, quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0,
     quant.Q4_K, quant.Q5_K, quant.Q6_K,
 ]  # fmt: skip
-ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128]
+ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128, quant.Q4_1R]
 LIB = native_quant.library()
 BEST = native_quant.isa()  # before any test lowers it
 PANEL_ROWS = {"avx512": 16, "avx2": 12}  # quant.c's measured thresholds
@@ -55,6 +55,8 @@ def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> quant.QuantWeigh
         scales = (torch.rand((n, k // 128), generator=gen) * 0.02).half().float()
         zeros = torch.randint(0, 16, (n, k // 128), generator=gen).float()
         return quant.from_groups(q, scales, zeros)
+    if qtype == quant.Q4_1R:
+        return quant.repack(quant.quantize(torch.randn((n, k), generator=gen), quant.Q4_1))
     return quant.quantize(torch.randn((n, k), generator=gen), qtype)
 
 
@@ -89,6 +91,19 @@ def test_quantize_round_trips_within_a_step(qtype: int) -> None:
     step = {quant.Q4_0: 0.5, quant.Q4_1: 0.5, quant.Q5_0: 0.25, quant.Q5_1: 0.25}.get(qtype, 0.05)
     err = (quant.dequantize(w) - weight).abs().max()
     assert 0 < err < step * weight.abs().max(), f"{quant.NAMES[qtype]}: {err=}"
+
+
+def test_q4_1r_is_q4_1_rearranged() -> None:
+    """repack keeps every byte (its d's, m's, then nibble groups a row); unpack undoes it; the
+    values are Q4_1's bit for bit."""
+    w = quant.quantize(torch.randn((5, 96)), quant.Q4_1)
+    r = quant.repack(w)
+    assert r.qtype == quant.Q4_1R and r.data.shape == w.data.shape
+    blocks = w.data.view(5, 3, 20)
+    assert torch.equal(r.data[:, :6], blocks[:, :, :2].reshape(5, 6))  # the d's
+    assert torch.equal(r.data[:, 12:28], blocks[:, 0, 4:])  # the first block's nibbles
+    assert torch.equal(quant.unpack(r).data, w.data)
+    assert torch.equal(bits(quant.dequantize(r)), bits(quant.dequantize(w)))
 
 
 def test_i8_is_per_row_absmax() -> None:
