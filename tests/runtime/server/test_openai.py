@@ -207,9 +207,7 @@ def test_response_format_json_schema_validates(client: openai.OpenAI, model: str
     )
 
 
-def test_response_format_structural_tag_in_xgrammar_form(
-    client: openai.OpenAI, model: str
-) -> None:
+def test_response_format_structural_tag_in_xgrammar_form(client: openai.OpenAI, model: str) -> None:
     """SGLang passes xgrammar's newer structural tag (format: triggered_tags) on: the reply
     must open with the tag (at_least_one), its JSON valid, nothing after it (stop_after_first)."""
     tag = {"type": "tag", "begin": "<person>", "end": "</person>",
