@@ -38,7 +38,12 @@ from radixflow.bench.roofline import best_of, compute_roofline
 from radixflow.bench.rounds import BenchError
 from radixflow.bench.workloads import WORKLOADS, Workload, server_codec
 from radixflow.runtime.engine import Engine
-from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf, resolve_model_dir
+from radixflow.runtime.models.loader import (
+    BUILTIN_MODELS,
+    builtin_gguf,
+    resolve_model_dir,
+    weight_files,
+)
 from radixflow.runtime.tokenizer import load_tokenizer
 
 SYSTEMS = (
@@ -66,12 +71,19 @@ class Models:
             self.engine = Engine(model=self.model)
         return self.engine
 
+    def fp32_dir(self) -> Path:
+        """The model's directory with safetensors weights, for peers that read only those
+        (transformers, vLLM): radixflow keeps a GGUF in its blocks and writes no fp32 copy
+        unless asked, so a fresh machine's directory has none until this call."""
+        weight_files(self.model_dir)
+        return self.model_dir
+
     def transformers(self) -> tuple[Any, int]:
         if self.hf is None:
             transformers.logging.set_verbosity_error()
             transformers.utils.logging.disable_progress_bar()
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-                self.model_dir, dtype=torch.float32
+                self.fp32_dir(), dtype=torch.float32
             ).eval()
         pad = self.hf.generation_config.pad_token_id
         return self.hf, pad if pad is not None else 0
@@ -114,7 +126,7 @@ def make_system(name: str, models: Models) -> Any:
         threads = models.threads or os.cpu_count()
         args = {"model_path": str(gguf), "n_ctx": 8192, "threads": threads}
         return baselines.WorkerSystem(name, python, args)
-    args = {"model_path": str(models.model_dir), "max_model_len": 8192}
+    args = {"model_path": str(models.fp32_dir()), "max_model_len": 8192}
     return baselines.WorkerSystem(name, python, args)
 
 

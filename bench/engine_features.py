@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixflow.runtime import Engine
+from radixflow.runtime.models.loader import weight_files
 
 STORY = (
     "The lighthouse keeper kept a log of every ship that passed the northern cape. Over forty "
@@ -46,7 +48,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def bench_decode(engine: Engine) -> None:
     tok = engine.tokenizer
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_info["model_path"], dtype=torch.float32)
+    model_dir = Path(engine.model_info["model_path"])
+    weight_files(model_dir)  # a GGUF's directory gets its fp32 safetensors, once
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.eval()
     one = chat("Write a long story about a dragon.")
     params = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}

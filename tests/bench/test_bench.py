@@ -369,3 +369,30 @@ def test_rss_sampler_counts_a_child_and_lists_the_tree_about_once_a_second(
     elapsed = time.monotonic() - start
     assert rss.peak_mb > own_mb + 250
     assert 1 <= len(listings) <= elapsed + 2  # once a second, not every 50 ms sample
+
+
+def test_fp32_peers_get_a_gguf_dequantized_on_a_fresh_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """radixflow keeps a GGUF in its blocks, so a fresh machine's converted directory holds
+    no safetensors; the transformers and vLLM peers read only those, so the bench writes
+    them before handing the directory over (CI's own cache has them already)."""
+    import torch
+    from gguf_models import build_model, write_gguf
+
+    from radixflow.bench.cli import Models
+    from radixflow.runtime.models.loader import resolve_model_dir
+
+    monkeypatch.setenv("RADIXFLOW_CACHE", str(tmp_path / "cache"))
+    source = build_model("llama")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, source, "Q8_0")
+    model_dir = resolve_model_dir(str(path))
+    assert not list(model_dir.glob("*.safetensors"))  # fresh: metadata only
+    models = Models(str(path), model_dir, 1)
+    hf, _ = models.transformers()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        got = hf(ids).logits
+        want = source(ids).logits  # write_gguf quantized `source` in place: the file's values
+    assert torch.allclose(got, want, atol=1e-4)
