@@ -2,6 +2,7 @@
 
     radixflow bench [--quick] [--json PATH] [--plot PATH] [--workloads a,b] [--systems x,y]
     radixflow bench --from-json docs/bench-results.json --plot docs/bench-results.png
+    radixflow bench --workloads json_decode --systems radixflow,vllm --repeats 3
 
 Workloads are bench/workloads.py: rounds of calls with fixed token counts (greedy, EOS
 ignored), each round built from the previous round's outputs, so every system does equal work.
@@ -22,6 +23,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +206,62 @@ def run_all(
     return rows, mode_rows, skipped
 
 
+def run_interleaved(
+    systems: list[str], workloads: list[str], models: Models, make: Any, repeats: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, str]]]:
+    """Every system loaded and warmed at once, then `repeats` passes, each running every
+    workload on every system in turn (the order rotating by pass), so a slow minute of the
+    machine lands on all of them; each row is the repeat with the median wall time, with every
+    repeat's wall in `runs_wall_s`. A second before each run lets the last system's spinning
+    threads (OpenMP, llama.cpp's pool) go idle first."""
+
+    made, skipped, references = {}, [], {}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    progress = tqdm(total=len(systems) * (1 + repeats * len(workloads)), file=sys.stderr)
+    warm = make("few_shot").rounds.send(None)[0]
+    try:
+        for name in systems:
+            progress.set_description(f"load {name}")
+            try:
+                made[name] = make_system(name, models)
+                if name == "radixflow-dsl":
+                    made[name].warm_up()
+                else:
+                    warm_up(made[name], dataclasses.replace(warm, max_new_tokens=4))
+            except BenchError as e:
+                skipped.append({"system": name, "reason": str(e)})
+            progress.update()
+        order = list(made)
+        for rep in range(repeats):
+            turn = order[rep % len(order) :] + order[: rep % len(order)] if order else []
+            for name in turn:
+                progress.set_description(f"{name} {rep + 1}/{repeats}")
+                for workload_name in workloads:
+                    workload = make(workload_name)
+                    time.sleep(1.0)
+                    if name != "radixflow-dsl":
+                        row = run_workload(made[name], workload, references)
+                    elif workload.programs:
+                        row = made[name].run_workload(workload)
+                    else:
+                        row = None
+                    if row is not None:
+                        runs.setdefault((workload_name, name), []).append(row)
+                    progress.update()
+    finally:
+        for system in made.values():
+            system.close()
+        models.release([])
+        progress.close()
+    rows = []
+    for key in sorted(runs, key=lambda k: (workloads.index(k[0]), systems.index(k[1]))):
+        repeated = runs[key]
+        walls = [r["wall_s"] for r in repeated]
+        row = sorted(repeated, key=lambda r: r["wall_s"])[len(repeated) // 2]
+        rows.append({**row, "runs_wall_s": [round(w, 3) for w in walls]})
+    return rows, [], skipped
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixflow bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI smoke sizes")
@@ -218,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also compare scheduler modes on long_mix (when long_mix and radixflow run)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="N > 1: all systems loaded at once, N interleaved passes, the median row each "
+        "(scheduler modes are not run then)",
     )
     parser.add_argument(
         "--from-json", metavar="PATH", help="run nothing: redraw --plot from a saved --json"
@@ -253,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     if roofline:
         machine.update(compute_roofline(model_dir))
     models = Models(args.model, model_dir, args.threads)
-    runs = run_all(systems, workloads, models, make, args.scheduler_modes)
+    if args.repeats < 1:
+        raise SystemExit("radixflow bench: --repeats must be at least 1")
+    if args.repeats > 1:
+        runs = run_interleaved(systems, workloads, models, make, args.repeats)
+    else:
+        runs = run_all(systems, workloads, models, make, args.scheduler_modes)
     if roofline:  # measured again, the engines released: the best of both (best_of)
         machine.update(best_of(machine, compute_roofline(model_dir)))
     out.report(args, machine, runs)

@@ -396,3 +396,39 @@ def test_fp32_peers_get_a_gguf_dequantized_on_a_fresh_cache(
         got = hf(ids).logits
         want = source(ids).logits  # write_gguf quantized `source` in place: the file's values
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_repeats_interleave_the_systems_and_keep_the_median_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from radixflow.bench import cli
+
+    walls = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    order: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            order.append(f"close {self.name}")
+
+    def fake_run(system: Fake, workload: Any, references: dict) -> dict[str, Any]:
+        order.append(system.name)
+        return {"workload": "w", "system": system.name, "wall_s": next(walls[system.name])}
+
+    monkeypatch.setattr(cli, "make_system", lambda name, models: Fake(name))
+    monkeypatch.setattr(cli, "warm_up", lambda system, call: order.append(f"warm {system.name}"))
+    monkeypatch.setattr(cli, "run_workload", fake_run)
+    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+
+    def rounds() -> Any:
+        yield [workloads.Call(input_ids=(1,))]
+
+    make = lambda name: SimpleNamespace(rounds=rounds(), programs=())  # noqa: E731
+    models = SimpleNamespace(release=lambda remaining: None)
+    rows, _, skipped = cli.run_interleaved(["a", "b"], ["w"], models, make, 3)
+    assert order == ["warm a", "warm b", "a", "b", "b", "a", "a", "b", "close a", "close b"]
+    assert skipped == []
+    got = {r["system"]: (r["wall_s"], r["runs_wall_s"]) for r in rows}
+    assert got == {"a": (3.0, [5.0, 1.0, 3.0]), "b": (4.0, [2.0, 9.0, 4.0])}
