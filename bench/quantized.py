@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from radixflow.bench.harness import Hog
+from radixflow.bench.harness import Hog, wait_until_quiet
 from radixflow.bench.rounds import System
 
 PROMPTS = (
@@ -124,6 +124,8 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for condition in conditions:
                     hog.set(condition == "hog" and round_ > 0)
                     for name, system in systems.items():
+                        if round_ and condition == "quiet":  # the last system's workers idle
+                            wait_until_quiet(settle_s=0.5)
                         system.start_workload()
                         start = time.perf_counter()
                         result = system.run_round(calls)

@@ -420,7 +420,7 @@ def test_repeats_interleave_the_systems_and_keep_the_median_run(
     monkeypatch.setattr(cli, "make_system", lambda name, models: Fake(name))
     monkeypatch.setattr(cli, "warm_up", lambda system, call: order.append(f"warm {system.name}"))
     monkeypatch.setattr(cli, "run_workload", fake_run)
-    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+    monkeypatch.setattr(cli, "wait_until_quiet", lambda: 0.0)
 
     def rounds() -> Any:
         yield [workloads.Call(input_ids=(1,))]
@@ -432,3 +432,21 @@ def test_repeats_interleave_the_systems_and_keep_the_median_run(
     assert skipped == []
     got = {r["system"]: (r["wall_s"], r["runs_wall_s"]) for r in rows}
     assert got == {"a": (3.0, [5.0, 1.0, 3.0]), "b": (4.0, [2.0, 9.0, 4.0])}
+
+
+def test_a_timed_run_waits_while_another_process_still_works() -> None:
+    """A peer's workers busy after its run (vLLM's spun about a second) share the cores with
+    the next system's run unless the bench waits them out."""
+    import subprocess
+    import sys
+
+    from radixflow.bench.harness import wait_until_quiet
+
+    busy = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"
+    proc = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        waited = wait_until_quiet(settle_s=0.0, window_s=0.1, limit_s=10.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert 1.0 <= waited <= 12.0
