@@ -164,6 +164,7 @@ def _grammar_backend(
     whitespace = config.grammar_whitespace or None
     if config.grammar_backend == "llguidance":
         backend: Any = LlgBackend(tokenizer, vocab_size, eos, whitespace)
+        backend.prepare()  # the vocabulary view, while the model warms up
     else:
         backend = GrammarBackend(
             tokenizer,
