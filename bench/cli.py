@@ -153,15 +153,29 @@ def run_system(
     rows, skipped = [], []
     for name in workloads:
         progress.set_postfix_str(name)
-        workload = make(name)
-        if system.name != "radixflow-dsl":
-            rows.append(run_workload(system, workload, references))
-        elif workload.programs:  # a program form: the DSL runs the same definition
-            rows.append(system.run_workload(workload))
-        else:
+        row = run_one(system, make(name), references)
+        if row is None:
             skipped.append(name)
+        else:
+            rows.append(row)
         progress.update()
     return rows, skipped
+
+
+def run_one(system: Any, workload: Workload, references: dict) -> dict[str, Any] | None:
+    """One workload on one system; None where the DSL system has no program form for it."""
+    if system.name != "radixflow-dsl":
+        return run_workload(system, workload, references)
+    # a program form: the DSL runs the same definition
+    return system.run_workload(workload) if workload.programs else None
+
+
+def warm_system(system: Any, warm: Any) -> None:
+    """One tiny untimed call (the DSL system: its own warm-up program)."""
+    if system.name == "radixflow-dsl":
+        system.warm_up()
+    else:
+        warm_up(system, dataclasses.replace(warm, max_new_tokens=4))
 
 
 def run_all(
@@ -183,10 +197,7 @@ def run_all(
             progress.update(len(workloads))
             continue
         try:
-            if name == "radixflow-dsl":
-                system.warm_up()
-            else:
-                warm_up(system, dataclasses.replace(warm, max_new_tokens=4))
+            warm_system(system, warm)
             done, without = run_system(system, workloads, make, references, progress)
             rows += done
             if without:
@@ -222,15 +233,19 @@ def run_interleaved(
     try:
         for name in systems:
             progress.set_description(f"load {name}")
+            progress.update()
             try:
-                made[name] = make_system(name, models)
-                if name == "radixflow-dsl":
-                    made[name].warm_up()
-                else:
-                    warm_up(made[name], dataclasses.replace(warm, max_new_tokens=4))
+                system = make_system(name, models)
             except BenchError as e:
                 skipped.append({"system": name, "reason": str(e)})
-            progress.update()
+                continue
+            try:
+                warm_system(system, warm)
+            except BenchError as e:
+                system.close()
+                skipped.append({"system": name, "reason": f"failed: {e}"})
+                continue
+            made[name] = system
         order = list(made)
         for rep in range(repeats):
             turn = order[rep % len(order) :] + order[: rep % len(order)] if order else []
@@ -241,12 +256,7 @@ def run_interleaved(
                     waited = wait_until_quiet()
                     if waited > 5.0:
                         print(f"waited {waited:.1f} s for a quiet machine", file=sys.stderr)
-                    if name != "radixflow-dsl":
-                        row = run_workload(made[name], workload, references)
-                    elif workload.programs:
-                        row = made[name].run_workload(workload)
-                    else:
-                        row = None
+                    row = run_one(made[name], workload, references)
                     if row is not None:
                         runs.setdefault((workload_name, name), []).append(row)
                     progress.update()

@@ -19,7 +19,7 @@ import pytest
 from radixflow.bench import dsl, engine_features, workloads
 from radixflow.bench.baselines import WORKER_STUB, plan_batches
 from radixflow.bench.roofline import best_of, compute_roofline, roofline_note
-from radixflow.bench.rounds import Arrivals, percentile
+from radixflow.bench.rounds import Arrivals, BenchError, percentile
 
 BENCH = Path(workloads.__file__).resolve().parent
 KEYS = {
@@ -418,7 +418,13 @@ def test_repeats_interleave_the_systems_and_keep_the_median_run(
         return {"workload": "w", "system": system.name, "wall_s": next(walls[system.name])}
 
     monkeypatch.setattr(cli, "make_system", lambda name, models: Fake(name))
-    monkeypatch.setattr(cli, "warm_up", lambda system, call: order.append(f"warm {system.name}"))
+
+    def fake_warm_up(system: Fake, call: Any) -> None:
+        order.append(f"warm {system.name}")
+        if system.name == "c":
+            raise BenchError("no warm-up")
+
+    monkeypatch.setattr(cli, "warm_up", fake_warm_up)
     monkeypatch.setattr(cli, "run_workload", fake_run)
     monkeypatch.setattr(cli, "wait_until_quiet", lambda: 0.0)
 
@@ -427,9 +433,13 @@ def test_repeats_interleave_the_systems_and_keep_the_median_run(
 
     make = lambda name: SimpleNamespace(rounds=rounds(), programs=())  # noqa: E731
     models = SimpleNamespace(release=lambda remaining: None)
-    rows, _, skipped = cli.run_interleaved(["a", "b"], ["w"], models, make, 3)
-    assert order == ["warm a", "warm b", "a", "b", "b", "a", "a", "b", "close a", "close b"]
-    assert skipped == []
+    rows, _, skipped = cli.run_interleaved(["a", "c", "b"], ["w"], models, make, 3)
+    # c failed its warm-up: closed at once, never timed
+    assert order == [
+        "warm a", "warm c", "close c", "warm b",
+        "a", "b", "b", "a", "a", "b", "close a", "close b",
+    ]  # fmt: skip
+    assert skipped == [{"system": "c", "reason": "failed: no warm-up"}]
     got = {r["system"]: (r["wall_s"], r["runs_wall_s"]) for r in rows}
     assert got == {"a": (3.0, [5.0, 1.0, 3.0]), "b": (4.0, [2.0, 9.0, 4.0])}
 
