@@ -39,6 +39,7 @@ from radixflow.transport import (
 from radixflow.zmq_transport import ZmqTransport
 
 READY_PREFIX = "radixflow ready on "
+FAILED_PREFIX = "radixflow failed to start: "  # the server's reason, raised as RuntimeError
 READY_ADDRESSES = re.compile(r"(https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP only
 
 
@@ -241,6 +242,11 @@ class Runtime:
                 if self.process.poll() is not None:
                     break
                 continue
+            if line.startswith(FAILED_PREFIX):
+                self.shutdown()
+                raise RuntimeError(
+                    f"the radixflow server {line.strip().removeprefix('radixflow ')}"
+                )
             found = READY_ADDRESSES.search(line) if line.startswith(READY_PREFIX) else None
             if found:
                 return found.group(1), found.group(2)

@@ -23,7 +23,12 @@ from radixflow.lab.diagnose import diagnose_main, diagnose_parser
 from radixflow.lab.profiles import RooflineProfile, load_profile, save_profile
 from radixflow.lab.simulate import MODES, calibrate, simulate_modes
 from radixflow.lab.tree import tree_main, tree_parser
-from radixflow.runtime.config import ServerConfig, add_config_arguments, config_from_args
+from radixflow.runtime.config import (
+    DEFAULT_POOL_TOKENS,
+    ServerConfig,
+    add_config_arguments,
+    config_from_args,
+)
 
 LAB_COMMANDS = ("simulate", "diagnose", "tree")
 USAGE = """usage: radixflow COMMAND [options]   (radixflow COMMAND --help for each)
@@ -91,6 +96,8 @@ def simulate_main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if isinstance(profile, RooflineProfile) and "max_total_tokens" not in explicit_changes(args):
         config = config.replace(max_total_tokens=profile.kv_pool_tokens)
+    elif not config.max_total_tokens:  # a simulated machine has no memory to size from
+        config = config.replace(max_total_tokens=DEFAULT_POOL_TOKENS)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = [m for m in modes if m not in MODES]
     if unknown:

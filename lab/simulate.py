@@ -28,7 +28,7 @@ import numpy as np
 from radixflow.bench.workloads import WORDS, WORKLOADS, Codec, best_hit_rate, prompts_of
 from radixflow.lab.profiles import LinearProfile, Profile, StepShape
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.scheduler.request import Req
@@ -102,7 +102,7 @@ class SimRunner:
 def sim_scheduler(
     config: ServerConfig, profile: Profile, codec: WordCodec, clock: VirtualClock
 ) -> Scheduler:
-    pool = KVPool(config.max_total_tokens, config.page_size)
+    pool = KVPool(config.max_total_tokens or DEFAULT_POOL_TOKENS, config.page_size)
     runner = SimRunner(profile, clock, codec.num_words)
     return Scheduler(
         config,

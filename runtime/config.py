@@ -23,9 +23,11 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")  # SGLang's spellings; its fp8/fp4 are not built
+# SGLang's spellings plus fp16/fp32; its fp8/fp4 are not built
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
+DEFAULT_POOL_TOKENS = 65536  # a pool sized to the machine stops here (or at one full context)
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
 
@@ -53,7 +55,12 @@ class ServerConfig:
     zmq_port: int = _knob(30001, "TCP port of radixflow's own ZeroMQ protocol; 0 picks a free one")
     api_key: str = _knob("", "shared secret checked on every message (required off loopback)")
     page_size: int = _knob(1, "KV slots per page (allocation granularity)")
-    max_total_tokens: int = _knob(32768, "KV pool size in token slots")
+    max_total_tokens: int = _knob(
+        0,
+        "KV pool size in token slots; 0 = sized to the machine (a share of the memory left "
+        "after the weights and a reserve, capped at 65,536 tokens or one full context: "
+        "runtime/model_executor/kv_sizing.py); a size that cannot fit is refused at start",
+    )
     max_running_requests: int = _knob(64, "most requests decoding at once")
     max_prefill_tokens: int = _knob(2048, "token budget of one step's prefill work")
     chunked_prefill_size: int = _knob(512, "longest prefill chunk per step; -1 turns chunking off")
@@ -74,8 +81,10 @@ class ServerConfig:
     dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     kv_cache_dtype: str = _knob(
         "auto",
-        "KV cache storage: auto (the model's dtype), bf16 or bfloat16 (half an fp32 model's "
-        "KV memory; attention still computes in fp32)",
+        "KV cache storage: auto (fp16 for quantized weights and fp32 models of 2 GiB or more "
+        "on CPU, as llama.cpp's f16 default; else the model's dtype), fp16/float16 or "
+        "bf16/bfloat16 (half an fp32 pool's memory; attention still computes in fp32), or "
+        "fp32/float32 (the exact pool)",
     )
     num_threads: str = _knob(
         "auto",
@@ -111,7 +120,9 @@ class ServerConfig:
     log_interval_s: float = _knob(5.0, "seconds between load log lines while busy")
     seed: int = _knob(0, "seed of the global sampler generator")
     mem_fraction_static: float = _knob(
-        0.0, "KV pool share of the memory free after the weights (0 = use --max-total-tokens)"
+        0.0,
+        "KV pool share of the memory free after the weights (0 = --max-total-tokens, or "
+        "sized to the machine when that is 0 too)",
     )
     disable_cuda_graph: bool = _knob(
         False, "run decode eagerly on CUDA instead of replaying captured CUDA graphs"
@@ -194,7 +205,10 @@ class ServerConfig:
                 f"num_threads must be auto or a number >= 0, not {self.num_threads!r}",
             ),
             (self.page_size >= 1, "page_size must be >= 1"),
-            (self.max_total_tokens >= 2 * self.page_size, "max_total_tokens too small"),
+            (
+                self.max_total_tokens == 0 or self.max_total_tokens >= 2 * self.page_size,
+                "max_total_tokens must be 0 (sized to the machine) or at least 2 pages",
+            ),
             (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
             (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
             (self.grammar_workers >= 1, "grammar_workers must be >= 1"),

@@ -14,15 +14,18 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from radixflow.runtime import models
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.config import ServerConfig, config_from_kwargs, fixed_threads
 from radixflow.runtime.constrained.grammar import GrammarBackend
@@ -30,7 +33,13 @@ from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
-from radixflow.runtime.model_executor.kv_sizing import kv_cache_dtype, size_kv_pool
+from radixflow.runtime.model_executor.kv_sizing import (
+    GIB,
+    MemoryPlan,
+    kv_pool_dtype,
+    plan_memory,
+    size_kv_pool,
+)
 from radixflow.runtime.model_executor.model_runner import (
     ModelRunner,
     load_model,
@@ -39,7 +48,7 @@ from radixflow.runtime.model_executor.model_runner import (
 )
 from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models.layers import CausalLM
-from radixflow.runtime.models.loader import resolve_model_dir
+from radixflow.runtime.models.loader import load_hf_config, resolve_model_dir
 from radixflow.runtime.protocol.limits import RequestLimits
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.scheduler.request import Req
@@ -50,6 +59,8 @@ from radixflow.runtime.tokenizer import (
     eos_token_ids,
     load_tokenizer,
 )
+
+log = logging.getLogger("radixflow.engine")
 
 
 @dataclass
@@ -68,21 +79,35 @@ class LoadedModel:
     model_dir: Path
     hf_config: dict[str, Any]
     tp: Any = None  # tensor_parallel.TensorParallel of rank 0 with --tp-size > 1
+    memory: MemoryPlan | None = None  # planned before the weights were read
+    grown: int = 0  # bytes the load added to the process (packs, repacks, copies)
 
 
 def load(config: ServerConfig) -> LoadedModel:
-    """Resolve (converting once) and load the model and tokenizer."""
+    """Resolve (converting once), plan the memory (raising MemoryBudgetError before any
+    weight is read when the model and its pool cannot fit) and load the model and tokenizer."""
     if fixed_threads(config):
         torch.set_num_threads(fixed_threads(config))
     model_dir = resolve_model_dir(config.model_path, config.revision)
     tokenizer = load_tokenizer(model_dir, config.chat_template)
     hf_config = json.loads((model_dir / "config.json").read_text())
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    model_config = models.model_config(load_hf_config(model_dir))
+    memory, planned = plan_memory(config, model_dir, model_config, device, dtype)
+    log.info(
+        "memory: %.2f GiB %s at start, weights about %.2f GiB, reserve %.2f GiB: planning a "
+        "KV pool of %s tokens; loading the weights",
+        memory.available / GIB, memory.where, memory.weights / GIB, memory.reserve / GIB,
+        f"{planned.num_tokens:,}",
+    )  # fmt: skip
     if config.tp_size > 1:  # torch.distributed only on this path
         model, tp = start_rank0(config, model_dir)
-        return LoadedModel(model, tokenizer, model_dir, hf_config, tp)
-    device = pick_device(config.device)
-    model = load_model(model_dir, config, device, pick_dtype(config.dtype, device))
-    return LoadedModel(model, tokenizer, model_dir, hf_config)
+        return LoadedModel(model, tokenizer, model_dir, hf_config, tp, memory)
+    rss = psutil.Process().memory_info().rss
+    model = load_model(model_dir, config, device, dtype)
+    grown = psutil.Process().memory_info().rss - rss if device.type == "cpu" else 0
+    return LoadedModel(model, tokenizer, model_dir, hf_config, None, memory, grown)
 
 
 def governor(config: ServerConfig, device: Any, tensor_parallel: bool) -> ThreadGovernor | None:
@@ -110,7 +135,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
             f"{model.config.max_position} (max_position_embeddings); it can only cap it"
         )
     context_len = config.context_length or model.config.max_position
-    num_tokens = size_kv_pool(config, model, device).num_tokens
+    sizing = size_kv_pool(config, model, device, loaded.memory, loaded.grown)
+    num_tokens = sizing.num_tokens
     if loaded.tp is not None:  # every rank's pool has the same slots
         num_tokens = loaded.tp.agree_min(num_tokens)
     pool = KVPool(num_tokens, config.page_size)
@@ -123,7 +149,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         max_kv_len=context_len,
         prefault=not config.disable_kv_prefault,
         governor=governor(config, device, loaded.tp is not None),
-        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
+        kv_dtype=kv_pool_dtype(sizing),
     )
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)

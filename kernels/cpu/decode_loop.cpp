@@ -88,7 +88,8 @@ const int64_t *i64(const at::Tensor &t) { return t.data_ptr<int64_t>(); }
  * and residual (their sum is the final norm's input), and rf_rope_decode_attention's status
  * (0, or the layer's nonzero status: the loop stops there); -3, with nothing touched, for
  * inputs it does not take (hidden not contiguous fp32, pools not contiguous and all fp32 or
- * all bf16: --kv-cache-dtype bf16's pools are read and written by the native attention). */
+ * all bf16 or all fp16: --kv-cache-dtype's half-precision pools are read and written by the
+ * native attention). */
 std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
     const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
@@ -100,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     pybind11::gil_scoped_release no_gil;
     const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat;
     const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
-    if (kv_type != at::kFloat && kv_type != at::kBFloat16) return {hidden, at::Tensor(), -3};
+    if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf)
+        return {hidden, at::Tensor(), -3};
+    const int kv_kind = kv_type == at::kBFloat16 ? 1 : kv_type == at::kHalf ? 2 : 0;
     for (size_t i = 0; plain && i < k_pools.size(); i++)
         if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
             k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type)
@@ -152,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
             f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), k_pools[i].data_ptr(),
             v_pools[i].data_ptr(), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
-            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_type == at::kBFloat16);
+            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_kind);
         if (status != 0) return {hidden, residual, status};
         at::Tensor projected = project(attn, i, 1);
         if (!projected.defined()) return {hidden, residual, -4};

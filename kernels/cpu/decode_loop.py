@@ -9,8 +9,8 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
 
 - It serves the plain pre-norm decoder: fused qkv and gate_up projections without biases,
   each prepacked for oneDNN (`runtime/models/prepack.py`), RMSNorm without offset, SiLU,
-  no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32 or bf16), the
-  native kernels built. `build` returns None for any other model (Llama and SmolLM2
+  no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32, bf16 or
+  fp16), the native kernels built. `build` returns None for any other model (Llama and SmolLM2
   qualify; so does Mistral without its window), and `DecodeLoop.run` returns None for a step
   it does not take (shared prefixes to merge, too few rows for the packs): the layers then
   run in Python.

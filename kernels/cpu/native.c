@@ -9,10 +9,14 @@
  * them where the machine has narrower ones). Sums run in a fixed order per row, so results
  * do not depend on the thread count.
  *
- * KV pools are fp32 or bf16 (`kv_bf16`, --kv-cache-dtype bf16): bf16 keys and values are
- * widened to fp32 as they are loaded (a 16-bit shift) and rounded to nearest even as they
- * are stored, as torch's conversions do; all math stays fp32. */
+ * KV pools are fp32, bf16 or fp16 (`kv_type` 0, 1, 2; --kv-cache-dtype): half-precision keys
+ * and values are widened to fp32 as they are loaded (bf16 by a 16-bit shift, fp16 by the
+ * F16C/AVX-512 conversion) and rounded to nearest even as they are stored, as torch's
+ * conversions do; all math stays fp32. */
 #include <math.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,11 +35,51 @@ static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
 typedef uint16_t vh __attribute__((vector_size(32)));  /* 16 bf16 */
 typedef uint32_t vu __attribute__((vector_size(64)));
+typedef _Float16 vhf __attribute__((vector_size(32)));  /* 16 fp16 */
 
-/* 16 pool elements from element index i of an fp32 (bf == 0) or bf16 (bf == 1) pool, in
- * fp32; bf is a constant where this is inlined, so each pool type gets its own loop. */
-static inline vf load_kv(const void *pool, int64_t i, const int bf) {
-    if (!bf) return loadv((const float *)pool + i);
+/* 16 fp16 -> fp32: one vcvtph2ps (AVX-512) or two (F16C); GCC's generic conversion of a
+ * _Float16 vector ran element by element (4x slower attention than a bf16 pool). */
+static inline vf widen_fp16(const _Float16 *p) {
+#if defined(__AVX512F__)
+    __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    vf out;
+    memcpy(&out, &x, sizeof out);
+    return out;
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    vf out;
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+    return out;
+#else
+    vhf f;
+    memcpy(&f, p, sizeof f);
+    return __builtin_convertvector(f, vf);
+#endif
+}
+
+/* n fp32 -> fp16 rounded to nearest even (torch's .to(float16)), 16 at a time where the CPU
+ * converts in vectors. */
+static inline void narrow_fp16(_Float16 *out, const float *in, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = (_Float16)in[i];
+}
+
+/* 16 pool elements from element index i of an fp32 (kind 0), bf16 (1) or fp16 (2) pool, in
+ * fp32; kind is a constant where this is inlined, so each pool type gets its own loop. */
+static inline vf load_kv(const void *pool, int64_t i, const int kind) {
+    if (!kind) return loadv((const float *)pool + i);
+    if (kind == 2) return widen_fp16((const _Float16 *)pool + i);
     vh h;
     memcpy(&h, (const uint16_t *)pool + i, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
@@ -248,7 +292,7 @@ static int costlier_first(const void *x, const void *y) {
 }
 
 static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_bf16, const int64_t *run_indptr, const int64_t *first,
+                           int kv_type, const int64_t *run_indptr, const int64_t *first,
                            const int64_t *count, int B, int Hkv, int G, int D, float scale,
                            float cap, float *out, float *lse, int threads);
 
@@ -257,20 +301,20 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
  * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
  * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
  * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
- * when cap > 0; `threads` OpenMP threads; pools fp32, or bf16 when kv_bf16. Returns 0, or -1
- * for shapes it does not take (D not a multiple of 16 or over 256, G over 8), -2 when out of
- * memory. */
+ * when cap > 0; `threads` OpenMP threads; pools fp32, bf16 or fp16 by kv_type (0, 1, 2).
+ * Returns 0, or -1 for shapes it does not take (D not a multiple of 16 or over 256, G over 8),
+ * -2 when out of memory. */
 int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                         const int64_t *run_indptr, const int64_t *first, const int64_t *count,
                         int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                        float *lse, int threads, int kv_bf16) {
+                        float *lse, int threads, int kv_type) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
-    return attention_tasks(q, q_stride, k, v, kv_bf16, run_indptr, first, count, B, Hkv, G, D,
+    return attention_tasks(q, q_stride, k, v, kv_type, run_indptr, first, count, B, Hkv, G, D,
                            scale, cap, out, lse, threads);
 }
 
 static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_bf16, const int64_t *run_indptr, const int64_t *first,
+                           int kv_type, const int64_t *run_indptr, const int64_t *first,
                            const int64_t *count, int B, int Hkv, int G, int D, float scale,
                            float cap, float *out, float *lse, int threads) {
     const int C = D / VW;
@@ -315,10 +359,12 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
                 next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
         }
         const float *qt = q + b * q_stride + h0 * G * D;
-        const int64_t es = kv_bf16 ? 2 : 4; /* the pools' element size */
+        const int64_t es = kv_type ? 2 : 4; /* the pools' element size */
         const char *kt = (const char *)k + h0 * D * es, *vt = (const char *)v + h0 * D * es;
         float *ot = out + (b * Hkv + h0) * G * D;
-        if (kv_bf16) {
+        if (kv_type == 2) {
+            SHAPES(2)
+        } else if (kv_type) {
             SHAPES(1)
         } else {
             SHAPES(0)
@@ -407,14 +453,19 @@ static inline void rope_row(const float *x, float *out, const float *c, const fl
 }
 
 /* One row's keys and values (`width` floats each) into slot `slot` of the pools (fp32, or
- * bf16 when kv_bf16: rounded to nearest even); returns 1 (nothing stored) when the slot is
- * outside [0, num_slots). */
+ * half precision by kv_type: rounded to nearest even); returns 1 (nothing stored) when the
+ * slot is outside [0, num_slots). */
 static inline int64_t store_row(void *k_pool, void *v_pool, int64_t num_slots, int64_t slot,
-                                const float *k, const float *v, int64_t width, int kv_bf16) {
+                                const float *k, const float *v, int64_t width, int kv_type) {
     if (slot < 0 || slot >= num_slots) return 1;
-    if (!kv_bf16) {
+    if (!kv_type) {
         memcpy((float *)k_pool + slot * width, k, width * sizeof(float));
         memcpy((float *)v_pool + slot * width, v, width * sizeof(float));
+        return 0;
+    }
+    if (kv_type == 2) {
+        narrow_fp16((_Float16 *)k_pool + slot * width, k, width);
+        narrow_fp16((_Float16 *)v_pool + slot * width, v, width);
         return 0;
     }
     uint16_t *kd = (uint16_t *)k_pool + slot * width, *vd = (uint16_t *)v_pool + slot * width;
@@ -427,13 +478,13 @@ static inline int64_t store_row(void *k_pool, void *v_pool, int64_t num_slots, i
  * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
  * With k_pool (not NULL), row t's last kv_heads heads of out (its keys, rotated) and its
  * values (v: rows v_stride floats apart, kv_heads * D floats) are also stored at slot
- * slots[t] of k_pool and v_pool (num_slots rows each; bf16 when kv_bf16), as rf_store_kv
+ * slots[t] of k_pool and v_pool (num_slots rows each; fp32, bf16 or fp16 by kv_type), as rf_store_kv
  * does: one pass where rope and the store were two calls. Returns the number of rows whose
  * slot was out of range (those are not stored). */
 int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
                 int64_t heads, int64_t D, int64_t rotary, float *out, void *k_pool,
                 void *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
-                const float *v, int64_t v_stride, int threads, int kv_bf16) {
+                const float *v, int64_t v_stride, int threads, int kv_type) {
     int64_t bad = 0, width = kv_heads * D;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
     reduction(+ : bad)
@@ -442,7 +493,7 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
         rope_row(x + t * x_stride, row, cos + t * rotary, sin + t * rotary, heads, D, rotary);
         if (k_pool)
             bad += store_row(k_pool, v_pool, num_slots, slots[t], row + (heads - kv_heads) * D,
-                             v + t * v_stride, width, kv_bf16);
+                             v + t * v_stride, width, kv_type);
     }
     return bad;
 }
@@ -452,15 +503,15 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
  * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
  * does; each row's keys and values are stored at slots[b] of the pools (num_slots, Hkv, D),
  * as rf_store_kv does; then the rotated queries attend as rf_decode_attention does (runs,
- * scale, cap, out, lse, kv_bf16 the same). Returns 0; -1 for shapes the attention does not take
- * (nothing is touched then); -2 out of memory; else the number of rows whose slot was out of
- * range (nothing is attended then). */
+ * scale, cap, out, lse, kv_type the same). Returns 0; -1 for shapes the attention does not
+ * take (nothing is touched then); -2 out of memory; else the number of rows whose slot was
+ * out of range (nothing is attended then). */
 int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *cos,
                                  const float *sin, int64_t rotary, void *k_pool, void *v_pool,
                                  int64_t num_slots, const int64_t *slots,
                                  const int64_t *run_indptr, const int64_t *first,
                                  const int64_t *count, int B, int Hkv, int G, int D, float scale,
-                                 float cap, float *out, float *lse, int threads, int kv_bf16) {
+                                 float cap, float *out, float *lse, int threads, int kv_type) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
     const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
     int64_t bad = 0;
@@ -470,23 +521,23 @@ int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *co
         float *row = qkv + b * qkv_stride;
         rope_row(row, row, cos + b * rotary, sin + b * rotary, heads, D, rotary);
         bad += store_row(k_pool, v_pool, num_slots, slots[b], row + (heads - Hkv) * D,
-                         row + heads * D, width, kv_bf16);
+                         row + heads * D, width, kv_type);
     }
     if (bad) return bad;
-    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_bf16, run_indptr, first, count, B,
+    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_type, run_indptr, first, count, B,
                            Hkv, G, D, scale, cap, out, lse, threads);
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
- * k and v pools of `num_slots` rows each (bf16 when kv_bf16); a slot out of range is skipped
+ * k and v pools of `num_slots` rows each (of kv_type); a slot out of range is skipped
  * and counted. */
 int64_t rf_store_kv(void *k_pool, void *v_pool, int64_t num_slots, const int64_t *slots,
                     const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
-                    int64_t width, int kv_bf16) {
+                    int64_t width, int kv_type) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++)
         bad += store_row(k_pool, v_pool, num_slots, slots[i], k + i * k_stride, v + i * v_stride,
-                         width, kv_bf16);
+                         width, kv_type);
     return bad;
 }
 

@@ -18,7 +18,7 @@ ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
   libgomp gets a single-threaded build.
 - Every wrapper takes fp32 CPU tensors whose innermost dims are contiguous, and returns
   None (the caller's cue to use torch) for anything else; KV pools may also be bf16
-  (--kv-cache-dtype bf16): loaded widened to fp32, stored rounded to nearest even.
+  or fp16 (--kv-cache-dtype): loaded widened to fp32, stored rounded to nearest even.
 - A decode-only step's rope, KV store and attention are one call
   (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
   Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
@@ -148,8 +148,8 @@ def _fits(*tensors: torch.Tensor) -> bool:
 
 
 def _pool_kind(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
-    """The kernels' kv_bf16 flag for a pair of contiguous CPU pools of one shape: 0 fp32,
-    1 bf16; None for anything else."""
+    """The kernels' kv_type for a pair of contiguous CPU pools of one shape: 0 fp32, 1 bf16,
+    2 fp16; None for anything else."""
     if not (
         k_pool.is_cpu
         and k_pool.dtype == v_pool.dtype
@@ -158,7 +158,7 @@ def _pool_kind(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
         and v_pool.is_contiguous()
     ):
         return None
-    return {torch.float32: 0, torch.bfloat16: 1}.get(k_pool.dtype)
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(k_pool.dtype)
 
 
 def decode_attention(
@@ -170,7 +170,7 @@ def decode_attention(
     logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q (B, H, D) (rows any stride, heads contiguous) over pooled keys (num_slots, Hkv, D)
-    (fp32 or bf16),
+    (fp32, bf16 or fp16),
     request b reading the runs run_indptr[b] .. run_indptr[b + 1] - 1 of consecutive slots
     (first slot, count), `runs` = (run_indptr, first, count) -> out (B, H, D), lse (B, H);
     a request with no runs gets zeros and lse -inf. `logit_cap` > 0 soft-caps the scaled
@@ -334,7 +334,7 @@ def rope(
 def _store_fits(
     k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
 ) -> bool:
-    """Whether the native store takes these: fp32 or bf16 contiguous pools (num_slots, Hkv, D)
+    """Whether the native store takes these: fp32, bf16 or fp16 contiguous pools (num_slots, Hkv, D)
     of one shape and dtype, int64 contiguous slots, one fp32 row of v per slot (rows any
     stride, heads contiguous)."""
     return (

@@ -35,7 +35,7 @@ from radixflow.runtime.distributed.tensor_parallel import (
     rank_device,
     spawn_worker,
 )
-from radixflow.runtime.model_executor.kv_sizing import kv_cache_dtype, size_kv_pool
+from radixflow.runtime.model_executor.kv_sizing import kv_pool_dtype, size_kv_pool
 from radixflow.runtime.model_executor.model_runner import ModelRunner
 from radixflow.runtime.models.loader import resolve_model_dir
 
@@ -66,14 +66,15 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
     tp = TensorParallel.join(rank, config.tp_size, init_addr, config.dist_timeout, device)
     try:
         model = load_shard(model_dir, config, device, tp)
-        num_tokens = tp.agree_min(size_kv_pool(config, model, device).num_tokens)
+        sizing = size_kv_pool(config, model, device)
+        num_tokens = tp.agree_min(sizing.num_tokens)
         num_slots = KVPool(num_tokens, config.page_size).num_slots
         runner = ModelRunner(  # as rank 0 builds it (CUDA graphs stay off under tp)
             model,
             num_slots,
             seed=config.seed,
             shared_prefix=not config.disable_shared_prefix_attention,
-            kv_dtype=kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype),
+            kv_dtype=kv_pool_dtype(sizing),
         )
         while (plan := tp.recv_plan()) is not None:
             runner.forward(plan)

@@ -1,32 +1,74 @@
-"""How many KV token slots the pool gets: an absolute count, or a share of memory.
+"""How many KV token slots the pool gets, and in which dtype, checked against the machine.
 
-`--mem-fraction-static F` (SGLang's flag name) gives the KV pool F of the memory that is free
-once the weights are loaded: the device's free memory on CUDA (`torch.cuda.mem_get_info`),
-available RAM on CPU (psutil). SGLang applies its F to the whole device, weights included;
-radixflow applies it to what the weights left, so F = 0.9 means "90% of what is free now".
-An explicit `--max-total-tokens` (any value but its default) still wins. A token's KV costs
-2 (K and V) x layers x KV heads x head dim x dtype bytes, the dtype `--kv-cache-dtype`'s
-(`kv_cache_dtype`): a bf16 pool holds twice an fp32 model's tokens in the same memory.
+The pool is planned before any weight is read (`plan_memory`, from the file headers'
+estimate of the weights and the memory available at start), so a size that cannot fit is
+refused in seconds with the figures, never found out by the OS's OOM killer minutes later.
+After the load `size_kv_pool` sizes it with the weights as they turned out.
+
+- Neither `--max-total-tokens` nor `--mem-fraction-static` given (both 0): the pool takes
+  AUTO_SHARE of what the memory available at start leaves after the weights and a reserve
+  (activations, the tokenizer, grammars, the server process, the OS), or one full context if
+  that is more and fits; capped at DEFAULT_POOL_TOKENS (or one full context if longer), and
+  never above context x --max-running-requests.
+- `--max-total-tokens N`: N slots, refused when weights + pool + reserve exceed the memory.
+- `--mem-fraction-static F` (SGLang's flag): F of the memory free after the weights
+  (SGLang applies F to the whole device, weights included), refused the same way.
+
+A token's KV costs 2 (K and V) x layers x KV heads x head dim x dtype bytes. The dtype:
+`--kv-cache-dtype auto` is fp16 for quantized weights and large fp32 models on CPU (as
+llama.cpp defaults to f16 KV; measured in docs/models.md), else the model's own.
+`RADIXFLOW_AVAILABLE_MEMORY` (bytes, or with a K/M/G suffix) replaces the reading of the
+available memory: to plan for a smaller machine, and for tests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
+from radixflow.runtime.models import quantized
+from radixflow.runtime.models.footprint import weight_bytes_estimate
+from radixflow.runtime.models.loader import gguf_source
 
 log = logging.getLogger("radixflow.kv")
 GIB = 1 << 30
-KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}  # SGLang's spellings
-DEFAULT_MAX_TOTAL_TOKENS = next(
-    f.default for f in dataclasses.fields(ServerConfig) if f.name == "max_total_tokens"
-)
+KV_DTYPES = {  # SGLang's spellings, and llama.cpp's f16 as fp16
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+AUTO_HALF = torch.float16  # auto's pool for quantized / large fp32 models (docs/models.md)
+LARGE_MODEL_BYTES = 2 * GIB  # fp32 weights from this size get auto's half-precision pool
+AUTO_SHARE = {"cpu": 0.5, "cuda": 0.9}  # of the memory left after the weights and reserve
+RESERVE_FIXED = GIB  # activations, tokenizer, grammars, the server process
+RESERVE_SHARE = 0.05  # of the machine's total: the OS and page cache breathing room
+ENV_AVAILABLE = "RADIXFLOW_AVAILABLE_MEMORY"
+
+
+class MemoryBudgetError(ValueError):
+    """The weights, the KV pool asked for and the reserve do not fit the memory."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory a start plans with: what was available before the weights, what they
+    take, the reserve kept, and the KV pool's dtype."""
+
+    available: int
+    weights: int
+    reserve: int
+    kv_dtype: torch.dtype
+    where: str  # "available RAM" or "free GPU memory", for the messages
 
 
 @dataclass(frozen=True)
@@ -53,62 +95,192 @@ class KVSizing:
         )
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype for `--kv-cache-dtype name`: the model's own for auto."""
-    return model_dtype if name == "auto" else KV_DTYPES[name]
+def kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, half_by_default: bool = False
+) -> torch.dtype:
+    """The KV pool's dtype for `--kv-cache-dtype name`; auto is fp16 where
+    `half_by_default` (quantized or large fp32 weights on CPU), else the model's."""
+    if name != "auto":
+        return KV_DTYPES[name]
+    return AUTO_HALF if half_by_default and model_dtype == torch.float32 else model_dtype
+
+
+def kv_pool_dtype(sizing: KVSizing) -> torch.dtype:
+    """The torch dtype of a sized pool."""
+    return getattr(torch, sizing.dtype)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
-def tokens_for_memory(free_bytes: int, fraction: float, bytes_per_token: int, page: int) -> int:
-    """Whole pages of KV that fit in `fraction` of `free_bytes`."""
-    tokens = int(free_bytes * fraction) // bytes_per_token
-    return tokens // page * page
+def parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5g' or a plain byte count -> bytes. Raises ValueError."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    number = float(text[:-1] if scale > 1 else text)
+    if number <= 0:
+        raise ValueError(f"{ENV_AVAILABLE} must be positive")
+    return int(number * scale)
 
 
-def free_memory_bytes(device: Any) -> int:
-    """Free memory on `device` now: CUDA free memory, or available RAM on CPU."""
-    if getattr(device, "type", str(device)) == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+def available_memory(device: Any) -> tuple[int, int, str]:
+    """(available bytes now, the machine's total, what was read) for `device`: CUDA free
+    memory, or available RAM on CPU; RADIXFLOW_AVAILABLE_MEMORY replaces the reading."""
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    if cuda:
+        free, total = (int(v) for v in torch.cuda.mem_get_info(device))
+    else:
+        memory = psutil.virtual_memory()
+        free, total = int(memory.available), int(memory.total)
+    where = "free GPU memory" if cuda else "available RAM"
+    override = os.environ.get(ENV_AVAILABLE)
+    if override:
+        free = total = parse_bytes(override)  # as on a machine of that size
+        where += f" ({ENV_AVAILABLE})"
+    return free, total, where
 
-    return int(psutil.virtual_memory().available)
+
+def reserve_bytes(total: int) -> int:
+    return RESERVE_FIXED + int(RESERVE_SHARE * total)
+
+
+def is_quantized(model_dir: Path, config: ServerConfig) -> bool:
+    """Whether the model's matrices will be held quantized (a GGUF's blocks, AWQ/GPTQ,
+    --quantization int8), before loading it."""
+    if config.dequantize_weights:
+        return False
+    if config.quantization:
+        return True
+    if gguf_source(model_dir) is not None:
+        return True
+    return "quantization_config" in (model_dir / "config.json").read_text()
+
+
+def plan_memory(
+    config: ServerConfig,
+    model_dir: Path,
+    model_config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[MemoryPlan, KVSizing]:
+    """The plan and the pool it gives, before any weight is read; raises MemoryBudgetError
+    (the figures and the largest pool that fits) when the model cannot start."""
+    available, total, where = available_memory(device)
+    weights = weight_bytes_estimate(model_dir, config, device, dtype)
+    half = device.type == "cpu" and (
+        is_quantized(model_dir, config) or weights >= LARGE_MODEL_BYTES
+    )
+    plan = MemoryPlan(
+        available,
+        weights,
+        reserve_bytes(total),
+        kv_cache_dtype(config.kv_cache_dtype, dtype, half),
+        where,
+    )
+    return plan, choose_pool(config, plan, model_config, device.type)
+
+
+def plan_after_load(config: ServerConfig, model: Any, device: torch.device) -> MemoryPlan:
+    """A plan for a model loaded without one (a tensor-parallel rank, a model passed in):
+    the memory available now plus what the weights hold was what the load started from."""
+    weights = quantized.weight_bytes(model)
+    available, total, where = available_memory(device)
+    param = next(model.parameters())
+    half = device.type == "cpu" and (
+        bool(quantized.quant_layers(model)) or weights >= LARGE_MODEL_BYTES
+    )
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, param.dtype, half)
+    return MemoryPlan(available + weights, weights, reserve_bytes(total), kv_dtype, where)
+
+
+def measured_plan(plan: MemoryPlan, weights: int, device: torch.device) -> MemoryPlan:
+    """The plan with the weights as loaded (the larger of the estimate and `weights`); on
+    CUDA the free memory is read again, the weights already out of it."""
+    if device.type == "cuda":
+        free, _, _ = available_memory(device)
+        return MemoryPlan(free + weights, weights, plan.reserve, plan.kv_dtype, plan.where)
+    return MemoryPlan(
+        plan.available, max(plan.weights, weights), plan.reserve, plan.kv_dtype, plan.where
+    )
+
+
+def choose_pool(
+    config: ServerConfig, plan: MemoryPlan, model_config: Any, device_type: str = "cpu"
+) -> KVSizing:
+    """The pool for `config` under `plan` (see the module docstring). Raises
+    MemoryBudgetError."""
+    c = model_config
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, plan.kv_dtype.itemsize)
+    context = config.context_length or c.max_position
+    page = config.page_size
+    name = str(plan.kv_dtype).removeprefix("torch.")
+    room = plan.available - plan.weights - plan.reserve
+    largest = max(room, 0) // per_token // page * page
+
+    def refuse(asked: str) -> MemoryBudgetError:
+        return MemoryBudgetError(
+            f"{asked} does not fit: the weights take {plan.weights / GIB:.2f} GiB, the reserve "
+            f"{plan.reserve / GIB:.2f} GiB, of {plan.available / GIB:.2f} GiB {plan.where}; "
+            + (
+                f"the largest KV pool that fits is --max-total-tokens {largest:,} "
+                f"({largest * per_token / GIB:.2f} GiB of {name} at {per_token:,} B per token)"
+                if largest >= 2 * page
+                else "no KV pool fits beside these weights (a smaller or more quantized model, "
+                "or more memory, is needed)"
+            )
+        )
+
+    if config.max_total_tokens:
+        tokens = config.max_total_tokens
+        if tokens > largest:
+            raise refuse(
+                f"--max-total-tokens {tokens:,} ({tokens * per_token / GIB:.2f} GiB of {name} KV)"
+            )
+        return KVSizing(tokens, per_token, "--max-total-tokens", context, name)
+    if config.mem_fraction_static:
+        fraction = config.mem_fraction_static
+        free = plan.available - plan.weights
+        tokens = int(max(free, 0) * fraction) // per_token // page * page
+        if tokens < 2 * page or tokens > largest:
+            raise refuse(f"--mem-fraction-static {fraction} ({tokens:,} tokens)")
+        source = f"--mem-fraction-static {fraction} of {free / GIB:.2f} GiB {plan.where}"
+        return KVSizing(tokens, per_token, source, context, name)
+    if largest < 2 * page:
+        raise refuse("the model")
+    share = AUTO_SHARE.get(device_type, AUTO_SHARE["cpu"])
+    if device_type == "cpu":
+        share /= config.tp_size  # the ranks of one machine share its RAM
+    fit = max(int(share * room) // per_token, min(largest, context)) // page * page
+    cap = min(max(DEFAULT_POOL_TOKENS, context), context * config.max_running_requests)
+    cap = max(cap // page * page, 2 * page)
+    tokens = min(fit, cap)
+    source = (
+        f"auto: {share:.0%} of the {room / GIB:.2f} GiB that {plan.available / GIB:.2f} GiB "
+        f"{plan.where} leaves after {plan.weights / GIB:.2f} GiB of weights and a "
+        f"{plan.reserve / GIB:.2f} GiB reserve"
+        + (f", capped at {cap:,} tokens" if tokens == cap else "")
+        + "; --max-total-tokens or --mem-fraction-static to change"
+    )
+    if tokens < context:
+        log.warning(
+            "the KV pool holds %s tokens, less than the model's context of %s: a longer "
+            "request is refused (--context-length caps the context)", f"{tokens:,}", f"{context:,}"
+        )  # fmt: skip
+    return KVSizing(tokens, per_token, source, context, name)
 
 
 def size_kv_pool(
-    config: ServerConfig, model: Any, device: Any, free_bytes: int | None = None
+    config: ServerConfig, model: Any, device: Any, plan: MemoryPlan | None = None, grown: int = 0
 ) -> KVSizing:
-    """The pool size for `config` and a loaded `model` (its weights already in memory);
-    logs the start line. Raises ValueError when the fraction leaves no room for a request."""
-    c = model.config
-    param = next(model.parameters())
-    dtype = KV_DTYPES.get(config.kv_cache_dtype)  # None for auto: the model's
-    dtype_bytes = param.element_size() if dtype is None else dtype.itemsize
-    name = str(param.dtype if dtype is None else dtype).removeprefix("torch.")
-    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype_bytes)
-    context = config.context_length or c.max_position
-    fraction = config.mem_fraction_static
-    if fraction <= 0 or config.max_total_tokens != DEFAULT_MAX_TOTAL_TOKENS:
-        note = (
-            "--max-total-tokens" if fraction <= 0 else "--max-total-tokens overrides the fraction"
-        )
-        sizing = KVSizing(config.max_total_tokens, per_token, note, context, name)
-    else:
-        free = free_memory_bytes(device) if free_bytes is None else free_bytes
-        tokens = tokens_for_memory(free, fraction, per_token, config.page_size)
-        if tokens < 2 * config.page_size:
-            raise ValueError(
-                f"--mem-fraction-static {fraction} of {free / GIB:.2f} GiB free leaves no KV "
-                f"pool ({per_token:,} B per token)"
-            )
-        where = "GPU memory" if getattr(device, "type", "") == "cuda" else "available RAM"
-        sizing = KVSizing(
-            tokens,
-            per_token,
-            f"--mem-fraction-static {fraction} of {free / GIB:.2f} GiB {where}",
-            context,
-            name,
-        )
+    """The pool for `config` and a loaded `model`, `grown` the bytes the load added to the
+    process: the plan redone with the weights as loaded (`plan_after_load` without one);
+    logs the start line. Raises MemoryBudgetError."""
+    device = torch.device(device) if isinstance(device, str) else device
+    weights = max(quantized.weight_bytes(model), grown)
+    if plan is None:
+        plan = plan_after_load(config, model, device)
+    final = measured_plan(plan, weights, device)
+    sizing = choose_pool(config, final, model.config, device.type)
     log.info("%s", sizing.describe())
     return sizing

@@ -298,6 +298,15 @@ class SchedulerReady:
 
 
 @dataclass(frozen=True)
+class SchedulerFailed:
+    """The scheduler could not start (the model and its pool do not fit, an unsupported or
+    broken model): the server stops with this message; the scheduler exits."""
+
+    TAG: ClassVar[str] = "scheduler_failed"
+    message: str
+
+
+@dataclass(frozen=True)
 class RequestUpdates:
     TAG: ClassVar[str] = "request_updates"
     updates: list[ReqUpdate]
@@ -331,7 +340,7 @@ CLIENT_REQUESTS = (
 )
 CLIENT_REPLIES = (Chunk, Result, Error)
 TO_SCHEDULER = (AddRequests, AbortRequests, Flush, Shutdown)
-FROM_SCHEDULER = (SchedulerReady, RequestUpdates, SchedulerStats, FlushDone)
+FROM_SCHEDULER = (SchedulerReady, SchedulerFailed, RequestUpdates, SchedulerStats, FlushDone)
 ALL_MESSAGES = CLIENT_REQUESTS + CLIENT_REPLIES + TO_SCHEDULER + FROM_SCHEDULER
 
 M = TypeVar("M")

@@ -30,6 +30,7 @@ from radixflow.runtime.protocol.messages import (
     ReqSpec,
     RequestUpdates,
     ReqUpdate,
+    SchedulerFailed,
     SchedulerReady,
     SchedulerStats,
     Shutdown,
@@ -186,7 +187,15 @@ def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int
     ctx = zmq.Context()
     inbox: PullQueue[Any] = PullQueue(ctx, addresses.to_scheduler, False, TO_SCHEDULER)
     outbox: PushQueue[Any] = PushQueue(ctx, addresses.from_scheduler, False)
-    bundle = build_scheduler(config)
+    try:
+        bundle = build_scheduler(config)
+    except ValueError as e:  # the model or its pool cannot start: the user's to fix, no trace
+        log.error("%s", e)
+        outbox.put(SchedulerFailed(str(e)))
+        outbox.close()  # the socket's linger delivers the message before ctx.term returns
+        inbox.close()
+        ctx.term()
+        sys.exit(2)
     tp = bundle.loaded.tp
     outbox.put(SchedulerReady(bundle.model_info, os.getpid(), bundle.load_seconds))
     stopped = False  # told to stop, or orphaned: the other ranks stop too

@@ -60,6 +60,7 @@ from radixflow.runtime.protocol.messages import (
     ReqSpec,
     RequestUpdates,
     Result,
+    SchedulerFailed,
     SchedulerReady,
     SchedulerStats,
     Score,
@@ -132,6 +133,7 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.status = "starting"
         self.last_error = ""
+        self.start_error = ""  # the scheduler's SchedulerFailed message
         self.restarts = 0
         self.failed_starts = 0
         self.model_info: dict[str, Any] = {}
@@ -174,6 +176,8 @@ class Server:
                 raise ServerStartError("interrupted while starting")
             for msg in self.from_scheduler.drain(POLL_MS):
                 self._on_scheduler_message(msg)
+            if self.start_error:
+                raise ServerStartError(self.start_error)
             if self.status != "ok" and self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(f"the scheduler process exited ({self.proc.returncode})")
         port = self.config.zmq_port if self.config.port else 0  # --port 0: both ports free
@@ -318,6 +322,8 @@ class Server:
                 self._end(job, Result(job.rid, {"flushed": msg.flushed}))
         elif isinstance(msg, SchedulerReady):
             self._on_ready(msg)
+        elif isinstance(msg, SchedulerFailed):
+            self.start_error = msg.message
 
     def _on_ready(self, msg: SchedulerReady) -> None:
         if self.tokenizer is None:
@@ -635,12 +641,18 @@ def ready_line(http_url: str, zmq_address: str) -> str:
     return f"radixflow ready on {http_url} (HTTP) and {zmq_address} (ZeroMQ)"
 
 
+def failed_line(reason: object) -> str:
+    """The stdout line of a server that could not start (`Runtime` raises with it)."""
+    return f"radixflow failed to start: {reason}"
+
+
 def serve(config: ServerConfig, log_level: str = "info") -> int:
     """Run a server until SIGINT/SIGTERM; print the ready line on stdout. Returns an exit code."""
     try:
         server = Server(config, log_level)
     except ServerStartError as e:
         log.error("%s", e)
+        print(failed_line(e), flush=True)
         return 1
     signal.signal(signal.SIGTERM, server.request_stop)  # while loading; the loop's own after
     signal.signal(signal.SIGINT, server.request_stop)
@@ -651,6 +663,7 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
         )
     except (ServerStartError, OSError) as e:  # OSError: the HTTP port is taken
         log.error("%s", e)
+        print(failed_line(e), flush=True)
         return 1
     finally:
         server.close()

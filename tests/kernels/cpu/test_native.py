@@ -116,38 +116,43 @@ def test_native_decode_attention_is_the_same_on_any_thread_count(shape: tuple) -
 @pytest.mark.parametrize("layout", ["runs", "scattered", "shared"])
 @pytest.mark.parametrize("shape", [(3, 3, 64), (1, 7, 128), (4, 1, 32), (2, 8, 256)])
 @pytest.mark.parametrize("logit_cap", [0.0, 5.0])
-def test_native_decode_attention_reads_bf16_pools(
-    layout: str, shape: tuple, logit_cap: float
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_native_decode_attention_reads_half_precision_pools(
+    layout: str, shape: tuple, logit_cap: float, kv_dtype: torch.dtype
 ) -> None:
-    """--kv-cache-dtype bf16: the kernel widens bf16 keys and values as it loads them and
-    matches the spec over the same pools (which upcasts them) to fp32 rounding."""
+    """--kv-cache-dtype bf16 / fp16: the kernel widens half-precision keys and values as it
+    loads them and matches the spec over the same pools (which upcasts them) to fp32
+    rounding."""
     hkv, group, dim = shape
     q, k, v, kv_indptr, kv_indices = pooled_batch(layout, hkv, group, dim)
-    q, k, v = q.bfloat16().float(), k.bfloat16(), v.bfloat16()
+    q, k, v = q.to(kv_dtype).float(), k.to(kv_dtype), v.to(kv_dtype)
     decode_layout = cpu_attention.decode_layout(kv_indptr, kv_indices)
     args = (q, k, v, kv_indptr, kv_indices, dim**-0.5)
     out = cpu_attention.decode_attention(*args, layout=decode_layout, logit_cap=logit_cap)
-    assert not decode_layout.fallback  # the kernel took the bf16 pools
+    assert not decode_layout.fallback  # the kernel took the half-precision pools
     assert out.dtype == torch.float32
     assert_close(out, reference.decode_attention(*args, logit_cap=logit_cap))
 
 
 @needs_lib
-def test_native_stores_round_to_bf16_as_torch_does() -> None:
-    """fp32 rows stored into bf16 pools (the plain store and rope's) are torch's
-    `.to(bfloat16)` bit for bit: round to nearest even at ties, inf, -0 and NaN kept."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_native_stores_round_to_half_precision_as_torch_does(kv_dtype: torch.dtype) -> None:
+    """fp32 rows stored into bf16 or fp16 pools (the plain store and rope's) are torch's
+    `.to(dtype)` bit for bit: round to nearest even at ties, inf, -0 and NaN kept, fp16's
+    overflow to inf."""
     gen = torch.Generator().manual_seed(5)
     rows = torch.randn((9, 2 * 2 * 16), generator=gen) * 10
-    tie, above = 1 + 2**-8, 1 + 3 * 2**-8  # halfway: to 1 (even), and up to 1 + 2**-6
+    bits = 8 if kv_dtype == torch.bfloat16 else 11  # mantissa bits + 1
+    tie, above = 1 + 2**-bits, 1 + 3 * 2**-bits  # halfway: to 1 (even), and up
     rows[0, :6] = torch.tensor([tie, above, float("inf"), -0.0, float("nan"), 3.0e38])
     k, v = rows[:, :32].view(9, 2, 16), rows[:, 32:].view(9, 2, 16)
     slots = torch.tensor([4, 49, 1, 17, 18, 30, 2, 40, 41])
-    pools = [torch.zeros((50, 2, 16), dtype=torch.bfloat16) for _ in range(4)]
+    pools = [torch.zeros((50, 2, 16), dtype=kv_dtype) for _ in range(4)]
     assert native.store_kv(pools[0], pools[1], slots, k, v)
     reference.store_kv(pools[2], pools[3], slots, k, v)
     for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    assert pools[0][4, 0, 0].item() == 1.0 and pools[0][4, 0, 1].item() == 1 + 2**-6
+    assert pools[0][4, 0, 0].item() == 1.0 and pools[0][4, 0, 1].item() == 1 + 2 ** (2 - bits)
     qk = torch.cat([k, k], 1)  # 2 query heads, then the 2 key heads
     cos, sin = rope_tables(16, 1.0, torch.arange(9), qk.dtype)
     stored = [torch.zeros_like(p) for p in pools[:2]]
@@ -157,10 +162,10 @@ def test_native_stores_round_to_bf16_as_torch_does() -> None:
 
 
 @needs_lib
-@pytest.mark.parametrize("dtype", [torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64])
 def test_native_decode_leaves_other_dtypes_to_torch(dtype: torch.dtype) -> None:
-    """A pool the kernel does not take (not fp32 or bf16) falls back to the torch path's layout,
-    derived once and kept with the layout, with the same result as the spec."""
+    """A pool the kernel does not take (not fp32, bf16 or fp16) falls back to the torch
+    path's layout, derived once and kept with the layout, with the same result as the spec."""
     q, k, v, kv_indptr, kv_indices = pooled_batch("shared", 2, 3, 32, dtype, fill=0.0)
     layout = cpu_attention.decode_layout(kv_indptr, kv_indices)
     args = (q, k, v, kv_indptr, kv_indices, 32**-0.5)
@@ -239,22 +244,22 @@ def test_native_rope_with_store_matches_rope_then_store(rows: int) -> None:
         native.rope(
             qk[:2], cos[:2], sin[:2], store=(pools[0], pools[1], torch.tensor([3, -1]), v[:2])
         )
-    half = [p.half() for p in pools[:2]]
-    assert native.rope(qk, cos, sin, store=(half[0], half[1], slots, v)) is None
+    wide = [p.double() for p in pools[:2]]  # a pool type the store does not take
+    assert native.rope(qk, cos, sin, store=(wide[0], wide[1], slots, v)) is None
 
 
 @needs_lib
 @pytest.mark.parametrize("layout", ["runs", "scattered", "shared"])
 @pytest.mark.parametrize("shape", [(2, 3, 64, 64), (1, 7, 128, 64), (3, 1, 32, 16)])
 @pytest.mark.parametrize("logit_cap", [0.0, 5.0])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rope_decode_attention_in_one_call_equals_the_separate_calls(
     layout: str, shape: tuple, logit_cap: float, kv_dtype: torch.dtype
 ) -> None:
     """A decode step's rope, KV store and attention in one native call give the same bits
     as `rope_qk`, `reference.store_kv` and `decode_attention` one after another: the same
     output, the same pools, and qkv's query heads left rotated in place (shared prefixes
-    merged after, partial rotary, GQA groups 1-7; fp32 and bf16 pools)."""
+    merged after, partial rotary, GQA groups 1-7; fp32, bf16 and fp16 pools)."""
     hkv, group, dim, rotary = shape
     _, k, v, kv_indptr, kv_indices = pooled_batch(layout, hkv, group, dim, kv_dtype)
     b, heads = len(kv_indptr) - 1, hkv * group
@@ -283,7 +288,7 @@ def test_rope_decode_attention_in_one_call_equals_the_separate_calls(
 
 @needs_lib
 def test_rope_decode_attention_refuses_untouched_or_raises() -> None:
-    """Pools the kernel does not take (fp16) and a layout without native runs return None
+    """Pools the kernel does not take (fp64) and a layout without native runs return None
     with qkv and the pools untouched; a slot outside the pool raises IndexError."""
     _, k, v, kv_indptr, kv_indices = pooled_batch("runs", 2, 3, 64, fill=0.0)
     b = len(kv_indptr) - 1
@@ -293,7 +298,7 @@ def test_rope_decode_attention_refuses_untouched_or_raises() -> None:
     runs = cpu_attention.decode_layout(kv_indptr, kv_indices)
     torch_layout = cpu_attention.decode_layout(kv_indptr, kv_indices, native_runs=False)
     before = qkv.clone()
-    for pools, layout in (((k.half(), v.half()), runs), ((k, v), torch_layout)):
+    for pools, layout in (((k.double(), v.double()), runs), ((k, v), torch_layout)):
         kept = [p.clone() for p in pools]
         got = cpu_attention.rope_decode_attention(qkv, 6, cos, sin, *pools, slots, 0.125, layout)
         assert got is None

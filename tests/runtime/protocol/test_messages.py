@@ -43,6 +43,7 @@ SAMPLES = [
     m.Flush("s3"),
     m.Shutdown(),
     m.SchedulerReady({"model": "smollm2", "context_length": 8192}, pid=42, load_seconds=1.5),
+    m.SchedulerFailed("--max-total-tokens 100,000 does not fit"),
     m.RequestUpdates(
         [
             m.ReqUpdate("s1", [7, 8], new_logprobs=[-0.5, -1.0], new_top_logprobs=[[[-0.5, 7]]]),
