@@ -7,7 +7,7 @@ fp16 pools side by side on one model, through the Engine.
   share of tokens equal up to the first divergence and after it (top-1 agreement), and the
   mean and max absolute difference of the chosen tokens' log-probs over the common prefix.
 - speed: decode tokens/s at 1 and 16 streams, the pools interleaved round by round, medians
-  of `--repeats` rounds; and the pool's bytes per token.
+  of `--repeats` rounds (each engine's start log gives its pool's bytes per token).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def decode_rate(engine: Any, prompts: list[str], new_tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from radixflow.runtime import Engine  # noqa: PLC0415 (heavy: after the arguments parse)
+    from radixflow.runtime import Engine  # noqa: PLC0415 (torch: after the arguments parse)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -71,14 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         d: Engine(model=args.model, kv_cache_dtype=d, max_total_tokens=16384) for d in DTYPES
     }
     outputs = {d: greedy(e, prompts, args.new_tokens) for d, e in engines.items()}
-    rows: dict[str, dict[str, Any]] = {
-        d: {
-            "bytes_per_token": engines[d].scheduler.runner.k_caches[0, 0].nbytes * 2
-            * engines[d].scheduler.runner.k_caches.shape[0],
-            **compare(outputs["fp32"], outputs[d]),
-        }
-        for d in DTYPES
-    }  # fmt: skip
+    rows = {d: compare(outputs["fp32"], outputs[d]) for d in DTYPES}
     streams = [int(s) for s in args.streams.split(",")]
     rates: dict[tuple[str, int], list[float]] = {(d, n): [] for d in DTYPES for n in streams}
     for round_ in range(args.repeats):

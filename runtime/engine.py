@@ -303,7 +303,9 @@ class Engine:
                 "with_config cannot share a tensor-parallel model (its ranks hold one KV pool)"
             )
         engine = Engine.__new__(Engine)
-        engine._setup(self.config.replace(**changes), self._loaded)
+        # planned anew from the memory available now: this engine's pool is already in it
+        loaded = dataclasses.replace(self._loaded, memory=None, grown=0)
+        engine._setup(self.config.replace(**changes), loaded)
         return engine
 
     def submit(

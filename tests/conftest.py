@@ -52,7 +52,10 @@ def chat(text: str) -> str:
 def engine():
     from radixflow.runtime import Engine
 
-    with Engine(model="smollm2", self_check=True, max_total_tokens=16384) as eng:
+    # the exact fp32 pool (auto's is fp16 for a GGUF): tests hold other paths to this one
+    with Engine(
+        model="smollm2", self_check=True, max_total_tokens=16384, kv_cache_dtype="fp32"
+    ) as eng:
         yield eng
 
 

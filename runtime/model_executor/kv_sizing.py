@@ -23,6 +23,7 @@ available memory: to plan for a smaller machine, and for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -191,7 +192,9 @@ def plan_after_load(config: ServerConfig, model: Any, device: torch.device) -> M
         bool(quantized.quant_layers(model)) or weights >= LARGE_MODEL_BYTES
     )
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, param.dtype, half)
-    return MemoryPlan(available + weights, weights, reserve_bytes(total), kv_dtype, where)
+    if ENV_AVAILABLE not in where:  # a given figure is the machine's, weights included
+        available += weights
+    return MemoryPlan(available, weights, reserve_bytes(total), kv_dtype, where)
 
 
 def measured_plan(plan: MemoryPlan, weights: int, device: torch.device) -> MemoryPlan:
@@ -199,10 +202,8 @@ def measured_plan(plan: MemoryPlan, weights: int, device: torch.device) -> Memor
     CUDA the free memory is read again, the weights already out of it."""
     if device.type == "cuda":
         free, _, _ = available_memory(device)
-        return MemoryPlan(free + weights, weights, plan.reserve, plan.kv_dtype, plan.where)
-    return MemoryPlan(
-        plan.available, max(plan.weights, weights), plan.reserve, plan.kv_dtype, plan.where
-    )
+        return dataclasses.replace(plan, available=free + weights, weights=weights)
+    return dataclasses.replace(plan, weights=max(plan.weights, weights))
 
 
 def choose_pool(
@@ -281,6 +282,8 @@ def size_kv_pool(
     if plan is None:
         plan = plan_after_load(config, model, device)
     final = measured_plan(plan, weights, device)
+    if config.kv_cache_dtype != "auto":  # an engine sharing these weights may name its own
+        final = dataclasses.replace(final, kv_dtype=KV_DTYPES[config.kv_cache_dtype])
     sizing = choose_pool(config, final, model.config, device.type)
     log.info("%s", sizing.describe())
     return sizing

@@ -28,6 +28,7 @@ from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.layers import CausalLM, ModelConfig, Rope
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
 from radixflow.runtime.models.prepack import prepack
+from radixflow.runtime.models.progress import Progress
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,11 @@ def load_quantized(
 def finish_load(model: CausalLM, config: ServerConfig) -> CausalLM:
     """The CPU's packed sgemm layouts and compiled decode loop, where they apply."""
     if not config.disable_cpu_weight_prepack:
-        prepack(model, config.cpu_matmul)
+        with Progress("packing the weights for the CPU's matmuls"):
+            prepack(model, config.cpu_matmul)
     if not config.disable_cpu_decode_loop:
-        model.decode_loop = decode_loop.build(model)  # None where the model does not qualify
+        with Progress("building the compiled decode loop (compiled once per machine)"):
+            model.decode_loop = decode_loop.build(model)  # None where the model does not qualify
     return model
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from radixflow.kernels import quant
+from radixflow.runtime.models.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -186,38 +187,10 @@ def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
     file = np.memmap(path, dtype=np.uint8, mode="r")
     state: dict[str, Weight] = {}
     costs: dict[str, int] = {}
-    for tensor in layout.tensors:
-        base, _, kind = tensor.name.rpartition(".")
-        if base in ROPE_TABLES:
-            continue
-        if base not in names:
-            raise ValueError(f"{path}: tensor {tensor.name} has no place in a {arch} model")
-        name = f"{names[base]}.{kind}"
-        qtype = T(tensor.qtype)
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
-        row_bytes = tensor.dims[0] // block * size
-        data = file[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
-        if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
-            data = _unpermute(data, heads if base.endswith(".attn_q") else kv_heads)
-        matrix = len(tensor.dims) == 2
-        if matrix and qtype in KEPT:
-            raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy, out of the map
-            state[name] = quant.QuantWeight(int(qtype), raw, (rows, int(tensor.dims[0])))
-            continue
-        shape = [int(d) for d in reversed(tensor.dims)]
-        if qtype == T.F32:
-            values = np.array(data).view(np.float32).reshape(shape)
-        elif qtype == T.F16:
-            values = np.array(data).view(np.float16).astype(np.float32).reshape(shape)
-        else:
-            values = gguf.quants.dequantize(np.array(data), qtype).reshape(shape)
-            if matrix and qtype != T.BF16:
-                costs[qtype.name] = costs.get(qtype.name, 0) + values.size * 4
-        value = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-        if arch.startswith("gemma") and kind == "weight" and base.endswith("norm"):
-            value = value - 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-        state[name] = value
+    with Progress(f"reading the weights of {path.name}", len(layout.tensors), "tensors") as bar:
+        for tensor in layout.tensors:
+            bar.update()
+            _read_tensor(tensor, file, names, arch, (heads, kv_heads), state, costs)
     del file
     for type_name, cost in costs.items():
         log.warning(
@@ -225,3 +198,50 @@ def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
             path.name, type_name, cost / 2**20,
         )  # fmt: skip
     return state
+
+
+def _read_tensor(
+    tensor: TensorInfo,
+    file: np.ndarray,
+    names: dict[str, str],
+    arch: str,
+    heads: tuple[int, int],
+    state: dict[str, Weight],
+    costs: dict[str, int],
+) -> None:
+    """One tensor of the file into `state` (its Hugging Face name): kept block types as
+    QuantWeight copies out of the map, the rest dequantized to fp32 (their bytes added to
+    `costs` by type)."""
+    path = Path(str(file.filename))
+    q_heads, kv_heads = heads
+    base, _, kind = tensor.name.rpartition(".")
+    if base in ROPE_TABLES:
+        return
+    if base not in names:
+        raise ValueError(f"{path}: tensor {tensor.name} has no place in a {arch} model")
+    name = f"{names[base]}.{kind}"
+    qtype = T(tensor.qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
+    row_bytes = tensor.dims[0] // block * size
+    data = file[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
+    if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
+        data = _unpermute(data, q_heads if base.endswith(".attn_q") else kv_heads)
+    matrix = len(tensor.dims) == 2
+    if matrix and qtype in KEPT:
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy, out of the map
+        state[name] = quant.QuantWeight(int(qtype), raw, (rows, int(tensor.dims[0])))
+        return
+    shape = [int(d) for d in reversed(tensor.dims)]
+    if qtype == T.F32:
+        values = np.array(data).view(np.float32).reshape(shape)
+    elif qtype == T.F16:
+        values = np.array(data).view(np.float16).astype(np.float32).reshape(shape)
+    else:
+        values = gguf.quants.dequantize(np.array(data), qtype).reshape(shape)
+        if matrix and qtype != T.BF16:
+            costs[qtype.name] = costs.get(qtype.name, 0) + values.size * 4
+    value = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    if arch.startswith("gemma") and kind == "weight" and base.endswith("norm"):
+        value = value - 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+    state[name] = value

@@ -35,6 +35,7 @@ from radixflow.runtime.models import (
     UnsupportedModelError,
     architecture_of,
 )
+from radixflow.runtime.models.progress import Progress
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 GGUF_POINTER = "gguf.json"  # in a GGUF's directory: {"path": the file}
@@ -148,7 +149,8 @@ def weight_files(model_dir: Path) -> list[Path]:
     directory gets its dequantised model.safetensors here, once."""
     source = gguf_source(model_dir)
     if source is not None and not (model_dir / "model.safetensors").is_file():
-        _dequantize_gguf(source, model_dir)
+        with Progress(f"dequantizing {source.name} to fp32 safetensors (once per file)"):
+            _dequantize_gguf(source, model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -177,7 +179,8 @@ def _cached_gguf_dir(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _describe_gguf(gguf_path, staging)
+        with Progress(f"reading {gguf_path.name}'s metadata and tokenizer (once per file)"):
+            _describe_gguf(gguf_path, staging)
         try:
             staging.rename(target)  # atomic: a concurrent converter may have won the race
         except OSError:

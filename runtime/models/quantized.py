@@ -23,10 +23,14 @@ reference's (the weights dequantized, then F.linear) up to the order of the addi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,8 @@ from torch import nn
 
 from radixflow.kernels import quant
 from radixflow.kernels.cpu import quant as native
+from radixflow.runtime.models.loader import cache_root
+from radixflow.runtime.models.progress import Progress
 from radixflow.runtime.models.weights import CheckpointError, checkpoint_names
 
 log = logging.getLogger(__name__)
@@ -190,20 +196,38 @@ def weight_bytes(model: nn.Module) -> int:
 
 def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:
     """The row count from which a layer's projections run faster dequantized into sgemm than
-    in the kernel, timed on the first layer's projections (0: the kernel always). Set on
-    every QuantLinear; returned for the log."""
+    in the kernel, timed on the first layer's projections (0: the kernel always), or read
+    from the tuning cache, which keeps it per machine, shapes and build (`tuning_key`). Set
+    on every QuantLinear; returned for the log."""
     layers = quant_layers(model)
     if not layers or native.library() is None:
         return 0
     first = [m for m in layers if m.in_features == layers[0].in_features][:4] or layers[:4]
+    key = tuning_key(first)
+    cached = read_tuning(key)
+    if cached is not None:
+        chosen = int(cached)
+        log.info(
+            "quantized matmuls: %s (the tuning cached for this machine, model and build in %s)",
+            f"dequantize + sgemm from {chosen} rows" if chosen else "the kernel at every row "
+            f"count up to {DENSE_CANDIDATES[-1]}", tuning_file(),
+        )  # fmt: skip
+    else:
+        with Progress("tuning quantized matmuls", len(DENSE_CANDIDATES), "row counts") as bar:
+            chosen = _time_dense_rows(first, rounds, bar)
+        write_tuning(key, chosen)
+    for m in layers:
+        m.dense_from = chosen
+    return chosen
+
+
+def _time_dense_rows(first: list[QuantLinear], rounds: int, bar: Progress) -> int:
     generator = torch.Generator().manual_seed(0)
-    chosen = 0
     for rows in DENSE_CANDIDATES:
-        x = torch.randn(rows, first[0].in_features, generator=generator)
+        bar.update()
         inputs = {
             m.in_features: torch.randn(rows, m.in_features, generator=generator) for m in first
         }
-        inputs[first[0].in_features] = x
         times: dict[str, list[float]] = {"kernel": [], "dense": []}
         for round_ in range(rounds + 1):
             for way in times:
@@ -217,17 +241,61 @@ def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:
             m.dense_from = 0
         kernel, dense = (statistics.median(times[w]) for w in ("kernel", "dense"))
         if dense < kernel:
-            chosen = rows
             log.info(
                 "quantized matmuls: dequantize + sgemm from %d rows (%.2f ms against the "
                 "kernel's %.2f ms)", rows, dense * 1e3, kernel * 1e3,
             )  # fmt: skip
-            break
-    if not chosen:
-        log.info("quantized matmuls: the kernel at every row count up to %d", DENSE_CANDIDATES[-1])
-    for m in layers:
-        m.dense_from = chosen
-    return chosen
+            return rows
+    log.info("quantized matmuls: the kernel at every row count up to %d", DENSE_CANDIDATES[-1])
+    return 0
+
+
+def tuning_file() -> Path:
+    return cache_root() / "tuning.json"
+
+
+def tuning_key(first: list[QuantLinear]) -> str:
+    """What the timing depends on: the CPU, the native library's build (its file name keys
+    the source, compiler, flags and CPU flags), torch, the thread count, the candidates and
+    the timed projections' shapes and types."""
+    lib = native.library()
+    cpu = next((line for line in _cpuinfo() if line.startswith("model name")), "")
+    shapes = [(m.in_features, m.out_features, sorted(m.types)) for m in first]
+    parts = [cpu, Path(getattr(lib, "_name", "")).name, torch.__version__]
+    parts += [str(torch.get_num_threads()), str(DENSE_CANDIDATES), json.dumps(shapes)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def read_tuning(key: str) -> int | None:
+    try:
+        entry = json.loads(tuning_file().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return entry.get("dense_from") if isinstance(entry, dict) else None
+
+
+def write_tuning(key: str, dense_from: int) -> None:
+    """Add the result to the cache file (atomically: a concurrent start sees all or none)."""
+    path = tuning_file()
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {"dense_from": dense_from, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(entries, indent=1))
+        staging.replace(path)
+    except OSError as e:
+        log.warning("the tuning cache %s is not writable (%s): the next start tunes again", path, e)
 
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -29,26 +29,30 @@ def test_the_flag_takes_sglangs_spellings_and_refuses_the_rest() -> None:
         config = config_from_args(parser.parse_args(["--kv-cache-dtype", name]))
         assert kv_cache_dtype(config.kv_cache_dtype, torch.float32) == torch.bfloat16
     assert kv_cache_dtype(ServerConfig().kv_cache_dtype, torch.float32) == torch.float32
-    for name in ("fp8_e4m3", "fp8", "float16", "int8"):
+    for name in ("fp8_e4m3", "fp8", "int8"):
         with pytest.raises(ValueError, match=f"kv_cache_dtype '{name}' is not supported"):
             ServerConfig(kv_cache_dtype=name)
 
 
-def test_bf16_kv_cache_halves_the_pool_and_keeps_smollm2s_greedy_output(
-    engine, make_engine, monkeypatch, caplog
+@pytest.mark.parametrize(
+    ("flag", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("auto", torch.float16)]
+)
+def test_half_precision_kv_cache_halves_the_pool_and_keeps_smollm2s_greedy_output(
+    engine, make_engine, monkeypatch, caplog, flag: str, dtype: torch.dtype
 ) -> None:
-    """SmolLM2 (fp32 activations) with a bf16 pool: the start log's bytes per token and the
-    pool's memory are half the fp32 pool's, every decode step still runs in the compiled
-    loop (whose native attention reads and writes bf16), and greedy outputs equal the fp32
-    cache's for most chat prompts (all five on this project's machines)."""
+    """SmolLM2 (fp32 activations) with a bf16 or fp16 pool (fp16 being auto's for its GGUF
+    blocks): the start log's bytes per token and the pool's memory are half the fp32 pool's,
+    every decode step still runs in the compiled loop (whose native attention reads and
+    writes half precision), and greedy outputs equal the fp32 cache's for most chat prompts
+    (all five on this project's machines)."""
     with caplog.at_level(logging.INFO, logger="radixflow.kv"):
-        bf16 = make_engine(kv_cache_dtype="bf16")
+        bf16 = make_engine(kv_cache_dtype=flag)
     line = next(r.getMessage() for r in caplog.records if r.name == "radixflow.kv")
-    assert re.search(r"KV pool: bfloat16, 23,040 B per token", line), line  # fp32: 46,080
+    name = str(dtype).removeprefix("torch.")
+    assert re.search(rf"KV pool: {name}, 23,040 B per token", line), line  # fp32: 46,080
     fp32_runner, runner = engine.scheduler.runner, bf16.scheduler.runner
-    assert runner.k_caches.dtype == torch.bfloat16 and runner.k_caches.shape == (
-        fp32_runner.k_caches.shape
-    )
+    assert engine.scheduler.runner.k_caches.dtype == torch.float32  # the session's exact pool
+    assert runner.k_caches.dtype == dtype and runner.k_caches.shape == (fp32_runner.k_caches.shape)
     assert 2 * (runner.k_caches.nbytes + runner.v_caches.nbytes) == (
         fp32_runner.k_caches.nbytes + fp32_runner.v_caches.nbytes
     )
@@ -63,7 +67,7 @@ def test_bf16_kv_cache_halves_the_pool_and_keeps_smollm2s_greedy_output(
     monkeypatch.setattr(decode_loop.DecodeLoop, "run", counted)
     prompts = [chat(p) for p in CHAT_PROMPTS]
     got = [o["output_ids"] for o in bf16.generate(prompts, GREEDY)]
-    assert steps and all(steps)  # the compiled loop took every decode step of the bf16 pool
+    assert steps and all(steps)  # the compiled loop took every decode step of the half pool
     want = [o["output_ids"] for o in engine.generate(prompts, GREEDY)]
     assert sum(g == w for g, w in zip(got, want)) >= 4, (got, want)
 

@@ -4,6 +4,8 @@ greedy replies), through the Python layers and the compiled decode loop alike.""
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from conftest import CHAT_PROMPTS, chat
 from radixflow.kernels.quant import NAMES
+from radixflow.runtime.models import progress, quantized
 from radixflow.runtime.models.layers import ForwardBatch
 from radixflow.runtime.models.loader import builtin_gguf
 from radixflow.runtime.models.quantized import QuantEmbedding, QuantLinear, weight_bytes
@@ -134,3 +137,54 @@ def test_single_streams_take_the_compiled_decode_loop(engine):
     finally:
         model.decode_loop = loop
     assert taken and all(taken), taken
+
+
+def test_the_matmul_tuning_is_cached_per_machine_model_and_threads(
+    engine, tmp_path, monkeypatch, caplog
+):
+    """choose_dense_rows times the kernel against dequantize + sgemm once, keeps the result
+    under RADIXFLOW_CACHE, and a second start reads it without timing (and says so); another
+    thread count is another key, timed again."""
+    model = engine._loaded.model
+    kept = [m.dense_from for m in quantized.quant_layers(model)]
+    monkeypatch.setenv("RADIXFLOW_CACHE", str(tmp_path))
+    timed: list[int] = []
+    timing = quantized._time_dense_rows
+
+    def counted(*args):
+        timed.append(1)
+        return timing(*args)
+
+    monkeypatch.setattr(quantized, "_time_dense_rows", counted)
+    try:
+        with caplog.at_level(logging.INFO, logger="radixflow"):
+            first = quantized.choose_dense_rows(model, rounds=1)
+            second = quantized.choose_dense_rows(model, rounds=1)
+        assert timed == [1] and first == second
+        assert (tmp_path / "tuning.json").is_file()
+        assert any("tuning quantized matmuls" in r.getMessage() for r in caplog.records)
+        assert any("the tuning cached for this machine" in r.getMessage() for r in caplog.records)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            quantized.choose_dense_rows(model, rounds=1)
+        finally:
+            torch.set_num_threads(threads)
+        assert timed == [1, 1]
+    finally:
+        for m, rows in zip(quantized.quant_layers(model), kept):
+            m.dense_from = rows
+
+
+def test_startup_steps_say_what_they_do_in_plain_lines(caplog, monkeypatch):
+    """Off a terminal a step logs when it starts, while it runs, and when it ends."""
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="radixflow.startup"):
+        with progress.Progress("reading the weights", total=4, unit="tensors") as bar:
+            for _ in range(4):
+                bar.update()
+            bar.start -= 2  # as if it took two seconds
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "reading the weights ..."
+    assert "reading the weights: 0 s so far (25%)" in lines[1]
+    assert re.fullmatch(r"reading the weights: done in 2\.\d s", lines[-1])
