@@ -272,13 +272,13 @@ def choose_pool(
 
 
 def size_kv_pool(
-    config: ServerConfig, model: Any, device: Any, plan: MemoryPlan | None = None, grown: int = 0
+    config: ServerConfig, model: Any, device: Any, plan: MemoryPlan | None = None
 ) -> KVSizing:
-    """The pool for `config` and a loaded `model`, `grown` the bytes the load added to the
-    process: the plan redone with the weights as loaded (`plan_after_load` without one);
-    logs the start line. Raises MemoryBudgetError."""
+    """The pool for `config` and a loaded `model`: the plan redone with the weights as
+    loaded (`plan_after_load` without one; what else the load left resident is the
+    reserve's to cover); logs the start line. Raises MemoryBudgetError."""
     device = torch.device(device) if isinstance(device, str) else device
-    weights = max(quantized.weight_bytes(model), grown)
+    weights = quantized.weight_bytes(model)
     if plan is None:
         plan = plan_after_load(config, model, device)
     final = measured_plan(plan, weights, device)

@@ -4,7 +4,7 @@ The KV pool is sized, and an explicit size refused, before any weight is read
 (runtime/model_executor/kv_sizing.py), so the estimate comes from the tensor tables: a GGUF's
 (kept block types at their size, the rest dequantized to fp32, as `gguf_file.read_state`
 loads them) or the safetensors headers (each floating tensor at the load dtype). It is an
-estimate; the sizing takes the larger of it and what the load actually grew the process by.
+estimate; the sizing takes the larger of it and the weights as loaded.
 """
 
 from __future__ import annotations

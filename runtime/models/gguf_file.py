@@ -184,14 +184,23 @@ def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
     fused = "phi3" in arch
     names = _name_map(arch, hf_config.num_hidden_layers, fused)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    file = np.memmap(path, dtype=np.uint8, mode="r")
     state: dict[str, Weight] = {}
     costs: dict[str, int] = {}
-    with Progress(f"reading the weights of {path.name}", len(layout.tensors), "tensors") as bar:
+    total = sum(_tensor_bytes(t)[1] for t in layout.tensors)
+    with (
+        path.open("rb", buffering=0) as file,
+        Progress(f"reading the weights of {path.name}", total, "B") as bar,
+    ):
         for tensor in layout.tensors:
-            bar.update()
-            _read_tensor(tensor, file, names, arch, (heads, kv_heads), state, costs)
-    del file
+            rows, size = _tensor_bytes(tensor)
+            data = np.empty(size, dtype=np.uint8)  # read, not mapped: the file's pages are
+            file.seek(tensor.offset)  # not held in this process beside the copy
+            if file.readinto(memoryview(data)) != size:
+                raise ValueError(f"{path}: tensor {tensor.name} is cut short (the file ends)")
+            bar.update(size)
+            _read_tensor(
+                tensor, data.reshape(rows, -1), path, names, arch, (heads, kv_heads), state, costs
+            )
     for type_name, cost in costs.items():
         log.warning(
             "%s: %s matrices have no quantized kernel: dequantised to fp32 at load (%.1f MiB)",
@@ -200,19 +209,26 @@ def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
     return state
 
 
+def _tensor_bytes(tensor: TensorInfo) -> tuple[int, int]:
+    """(rows, bytes) of a tensor's data in the file."""
+    block, size = gguf.GGML_QUANT_SIZES[T(tensor.qtype)]
+    rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
+    return rows, rows * (tensor.dims[0] // block * size)
+
+
 def _read_tensor(
     tensor: TensorInfo,
-    file: np.ndarray,
+    data: np.ndarray,
+    path: Path,
     names: dict[str, str],
     arch: str,
     heads: tuple[int, int],
     state: dict[str, Weight],
     costs: dict[str, int],
 ) -> None:
-    """One tensor of the file into `state` (its Hugging Face name): kept block types as
-    QuantWeight copies out of the map, the rest dequantized to fp32 (their bytes added to
-    `costs` by type)."""
-    path = Path(str(file.filename))
+    """One tensor (`data`: its rows of bytes as read) into `state` under its Hugging Face
+    name: kept block types as QuantWeights over those bytes, the rest dequantized to fp32
+    (their bytes added to `costs` by type)."""
     q_heads, kv_heads = heads
     base, _, kind = tensor.name.rpartition(".")
     if base in ROPE_TABLES:
@@ -221,15 +237,12 @@ def _read_tensor(
         raise ValueError(f"{path}: tensor {tensor.name} has no place in a {arch} model")
     name = f"{names[base]}.{kind}"
     qtype = T(tensor.qtype)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
-    row_bytes = tensor.dims[0] // block * size
-    data = file[tensor.offset : tensor.offset + rows * row_bytes].reshape(rows, row_bytes)
+    rows = data.shape[0]
     if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
         data = _unpermute(data, q_heads if base.endswith(".attn_q") else kv_heads)
     matrix = len(tensor.dims) == 2
     if matrix and qtype in KEPT:
-        raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy, out of the map
+        raw = torch.from_numpy(np.ascontiguousarray(data))
         state[name] = quant.QuantWeight(int(qtype), raw, (rows, int(tensor.dims[0])))
         return
     shape = [int(d) for d in reversed(tensor.dims)]
