@@ -7,9 +7,9 @@ After the load `size_kv_pool` sizes it with the weights as they turned out.
 
 - Neither `--max-total-tokens` nor `--mem-fraction-static` given (both 0): the pool takes
   AUTO_SHARE of what the memory available at start leaves after the weights and a reserve
-  (activations, the tokenizer, grammars, the server process, the OS), or one full context if
-  that is more and fits; capped at DEFAULT_POOL_TOKENS (or one full context if longer), and
-  never above context x --max-running-requests.
+  (activations, the tokenizer, grammars, the server process, the OS), or one full context (up
+  to FLOOR_TOKENS) if that is more and fits; capped at DEFAULT_POOL_TOKENS (or one full
+  context if longer), and never above context x --max-running-requests.
 - `--max-total-tokens N`: N slots, refused when weights + pool + reserve exceed the memory.
 - `--mem-fraction-static F` (SGLang's flag): F of the memory free after the weights
   (SGLang applies F to the whole device, weights included), refused the same way.
@@ -51,6 +51,7 @@ KV_DTYPES = {  # SGLang's spellings, and llama.cpp's f16 as fp16
 AUTO_HALF = torch.float16  # auto's pool for quantized / large fp32 models (docs/models.md)
 LARGE_MODEL_BYTES = 2 * GIB  # fp32 weights from this size get auto's half-precision pool
 AUTO_SHARE = {"cpu": 0.5, "cuda": 0.9}  # of the memory left after the weights and reserve
+FLOOR_TOKENS = 8192  # auto takes more than its share, if it fits, for one context up to this
 RESERVE_FIXED = GIB  # activations, tokenizer, grammars, the server process
 RESERVE_SHARE = 0.05  # of the machine's total: the OS and page cache breathing room
 ENV_AVAILABLE = "RADIXFLOW_AVAILABLE_MEMORY"
@@ -252,7 +253,8 @@ def choose_pool(
     share = AUTO_SHARE.get(device_type, AUTO_SHARE["cpu"])
     if device_type == "cpu":
         share /= config.tp_size  # the ranks of one machine share its RAM
-    fit = max(int(share * room) // per_token, min(largest, context)) // page * page
+    floor = min(largest, context, FLOOR_TOKENS)  # a small machine: one context, if it fits
+    fit = max(int(share * room) // per_token, floor) // page * page
     cap = min(max(DEFAULT_POOL_TOKENS, context), context * config.max_running_requests)
     cap = max(cap // page * page, 2 * page)
     tokens = min(fit, cap)

@@ -190,3 +190,13 @@ def test_server_that_cannot_fit_exits_with_the_reason(monkeypatch) -> None:
     time.sleep(1)  # the scheduler exits right after it sends its reason
     left = [p.cmdline() for p in psutil.Process().children(recursive=True)]
     assert not [c for c in left if "radixflow.runtime" in " ".join(c)], left
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused_not_preempted(make_engine) -> None:
+    engine = make_engine(max_total_tokens=64)
+    out = engine.generate("word " * 100, {"max_new_tokens": 4})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "error" and "the pool holds 64" in reason["message"]
+    assert out["meta_info"]["num_preemptions"] == 0
+    assert engine.generate("Hi", {"max_new_tokens": 4})["meta_info"]["completion_tokens"] == 4
+    engine.scheduler.check_invariants()  # nothing leaked: every slot free or in the tree
