@@ -112,6 +112,7 @@ def build(
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
         target = root / "native" / f"{name}-{key}.so"
         if not target.exists():
+            log.info("compiling %s for this CPU (once per machine and build)", source.name)
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
