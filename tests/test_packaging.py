@@ -14,12 +14,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("radixflow/kernels/cpu/native.c", "radixflow/kernels/cpu/decode_loop.cpp")
+# every native source of the checkout, as the wheel names it (quant.c includes quant_amx.c:
+# a wheel without it built no quantized kernels, silently)
+SOURCES = sorted(
+    "radixflow/" + str(path.relative_to(ROOT))
+    for pattern in ("*.c", "*.cpp", "*.h")
+    for path in (ROOT / "kernels").rglob(pattern)
+)
 BUILD = """
 import os, sys
-from radixflow.kernels.cpu import decode_loop, native
+from radixflow.kernels.cpu import decode_loop, native, quant
 assert decode_loop.__file__.startswith(sys.argv[1]), decode_loop.__file__
 assert native.library() is not None, "native kernels did not build"
+assert quant.library() is not None, "quantized kernels did not build"
 assert decode_loop.extension() is not None, "decode loop did not build"
 print("built", decode_loop.__file__)
 """
@@ -28,9 +35,14 @@ print("built", decode_loop.__file__)
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # from a copy: setuptools' build/ folder in the checkout would carry files a stale
+    # package-data list no longer names into the wheel
+    source = out / "source"
+    skip = shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "docs", "tests")
+    shutil.copytree(ROOT, source, ignore=skip)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     (path,) = out.glob("radixflow-*.whl")
@@ -38,6 +50,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_ships_the_kernel_sources(wheel: Path) -> None:
+    assert "radixflow/kernels/cpu/quant_amx.c" in SOURCES and len(SOURCES) >= 4
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [s for s in SOURCES if s not in names]
     assert not missing, f"the wheel lacks {missing}"
