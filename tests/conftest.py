@@ -111,7 +111,7 @@ def finishes(fn: Any, timeout: float = 10.0) -> Any:
 # ---- Triton on CPU ---------------------------------------------------------------------------
 
 # A kernel reads TRITON_INTERPRET when its module is imported, and any test module may be the
-# first to import one (through radixflow.runtime.gpu_check, the bench, a model on the Triton
+# first to import one (through radixflow.bench.gpu_check, the bench, a model on the Triton
 # ops): without CUDA the interpreter is on from the session's start.
 if not _CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

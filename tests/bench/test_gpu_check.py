@@ -1,4 +1,4 @@
-"""`python -m radixflow.runtime.gpu_check --dry-run`: the GPU check's every part but CUDA, on
+"""`python -m radixflow.bench.gpu_check --dry-run`: the GPU check's every part but CUDA, on
 CPU (a tiny random Llama with SmolLM2's tokenizer, the Triton kernels in the interpreter,
 decode graphs through the "record" backend), in its own process."""
 
@@ -17,7 +17,7 @@ def test_gpu_check_dry_run(tmp_path):
     # it from tests/kernels/test_kernels.py's import in this process)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    cmd = [sys.executable, "-m", "radixflow.runtime.gpu_check", "--dry-run", "--out", str(out)]
+    cmd = [sys.executable, "-m", "radixflow.bench.gpu_check", "--dry-run", "--out", str(out)]
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env=env, preexec_fn=die_with_parent()
     )

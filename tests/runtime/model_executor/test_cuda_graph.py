@@ -2,7 +2,7 @@
 captured callable over the same static buffers, so the ladder, the padding and the fixed-size
 shared-prefix layout are checked against the eager forward without a GPU. The Triton ops
 run in the interpreter; real torch.cuda.CUDAGraph capture only runs under CUDA
-(`python -m radixflow.runtime.gpu_check`)."""
+(`python -m radixflow.bench.gpu_check`)."""
 
 from conftest import use_the_triton_interpreter
 

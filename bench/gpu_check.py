@@ -1,4 +1,4 @@
-"""`python -m radixflow.runtime.gpu_check`: what the CUDA path must show, in one run.
+"""`python -m radixflow.bench.gpu_check`: what the CUDA path must show, in one run.
 
 On one GPU, in a few minutes:
   kernel_tests      pytest tests/kernels/test_kernels_gpu.py (Triton kernels vs the reference at
@@ -436,7 +436,7 @@ def run(dry: bool, model: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixflow.runtime.gpu_check")
+    parser = argparse.ArgumentParser(prog="python -m radixflow.bench.gpu_check")
     parser.add_argument("--dry-run", action="store_true", help="everything but CUDA, on CPU")
     parser.add_argument("--out", default="gpu_check.json", help="JSON report path")
     parser.add_argument(
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--dry-run: run as `python -m radixflow.runtime.gpu_check --dry-run`")
+        parser.error("--dry-run: run as `python -m radixflow.bench.gpu_check --dry-run`")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         model = args.model or (str(tiny_model_dir(Path(tmp))) if args.dry_run else "smollm2")
         report = run(args.dry_run, model)
