@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import queue
 import re
 import signal
@@ -225,7 +226,12 @@ class Runtime:
         cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--model", model_path]
         cmd += ["--port", str(port), "--log-level", log_level]
         cmd += _flags(server_config_kwargs)
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        # PYTHONSAFEPATH: `-m` would put the working directory first on sys.path, and a
+        # checkout's kernels/ folder there shadows the `kernels` package transformers imports
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
+        )
         atexit.register(self.shutdown)
         self.url, self.address = self._wait_ready(launch_timeout)  # HTTP, ZeroMQ
         api_key = server_config_kwargs.get("api_key")

@@ -153,7 +153,7 @@ class DataParallel:
         return cmd + ["--log-level", self.log_level]
 
     def spawn(self, index: int, port: int = 0, zmq_port: int = 0) -> Replica:
-        env = dict(os.environ)
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}  # as the server's scheduler (server.py)
         if self.cuda:
             env["CUDA_VISIBLE_DEVICES"] = str(index)
         process = subprocess.Popen(

@@ -343,7 +343,8 @@ def spawn_worker(
     cmd += ["--init-addr", init_addr, "--model-dir", str(model_dir)]
     cmd += ["--parent-pid", str(os.getpid()), "--log-level", level]
     cmd += ["--config-json", json.dumps(dataclasses.asdict(config.replace(api_key="")))]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # as the server's scheduler (server.py)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
 
 def start_rank0(config: ServerConfig, model_dir: Path) -> tuple[CausalLM, TensorParallel]:

@@ -273,7 +273,12 @@ class Server:
         cmd = [sys.executable, "-m", "radixflow.runtime", "scheduler", "--ipc-dir"]
         cmd += [self.ipc.directory, "--parent-pid", str(os.getpid())]
         cmd += ["--config-json", json.dumps(config), "--log-level", self.log_level]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+        # PYTHONSAFEPATH: `-m` would put the working directory first on sys.path, and a
+        # checkout's kernels/ folder there shadows the `kernels` package transformers imports
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), env=env
+        )
 
     def _stop_scheduler(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
