@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from radixflow.runtime.protocol.codec import decode, encode
 from radixflow.runtime.protocol.messages import (
     CLIENT_REPLIES,
     ERROR_DISCONNECTED,
@@ -47,8 +48,6 @@ from radixflow.runtime.protocol.messages import (
     Score,
     Stats,
     Status,
-    decode,
-    encode,
 )
 from radixflow.transport import (
     DEFAULT_LIVENESS,

@@ -25,7 +25,7 @@ from pathlib import Path
 from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
 from radixflow.runtime.distributed.data_parallel import serve_data_parallel
 from radixflow.runtime.protocol.transport import IpcAddresses
-from radixflow.runtime.server import server
+from radixflow.runtime.server import serve
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 COMMANDS = ("serve", "scheduler", "tp-worker")
@@ -89,4 +89,4 @@ def main(argv: list[str] | None = None) -> int:
         return serve_node(config)
     if config.dp_size > 1:
         return serve_data_parallel(config, args.log_level)
-    return server.serve(config, args.log_level)
+    return serve.serve(config, args.log_level)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -117,12 +118,19 @@ def live(code: str, server: dict[str, str]) -> str:
     return code
 
 
+def as_a_user() -> dict[str, str]:
+    """The environment without the test command's PYTHONSAFEPATH: a script's own folder is
+    on sys.path, as for a user (the programs import their `common.py`)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+
+
 def test_the_main_program_answers_three_turns() -> None:
     """The README's main command's program, as a user types it: it starts its own Runtime,
     chats three turns, and the radix cache serves each turn's history."""
     done = subprocess.run(
         [sys.executable, "programs/multi_turn_chat.py"],
         cwd=ROOT,
+        env=as_a_user(),
         capture_output=True,
         text=True,
         timeout=BLOCK_TIMEOUT_S,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def test_program_command_line(runtime: Any) -> None:
     address = runtime.endpoint.address
     out = subprocess.run(
         [sys.executable, str(PROGRAMS / "multi_turn_chat.py"), "--address", address],
+        env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"},  # a script's folder
         capture_output=True,
         text=True,
         timeout=120,

@@ -300,7 +300,7 @@ def rope(
     sin: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """`layers.rope_qk`: x (T, heads, D) (rows any stride, heads contiguous) rotated by cos
+    """`rope.rope_qk`: x (T, heads, D) (rows any stride, heads contiguous) rotated by cos
     and sin (T, 1, R) -> (T, heads, D) contiguous; None where not taken. With `store` =
     (k_pool, v_pool, slots, v), the rotated keys (the last Hkv heads of each row, Hkv the
     pools' heads) and v (T, Hkv, D) are also written at `slots` of the pools, as `store_kv`

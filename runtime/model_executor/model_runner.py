@@ -25,10 +25,11 @@ from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
 from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
-from radixflow.runtime.models.layers import CausalLM, ModelConfig, Rope
+from radixflow.runtime.models.layers import CausalLM, ModelConfig
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
 from radixflow.runtime.models.prepack import prepack
 from radixflow.runtime.models.progress import Progress
+from radixflow.runtime.models.rope import Rope
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 
 log = logging.getLogger(__name__)

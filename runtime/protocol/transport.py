@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import zmq
 
-from radixflow.runtime.protocol.messages import decode, encode
+from radixflow.runtime.protocol.codec import decode, encode
 
 M = TypeVar("M")
 LOOPBACK_NAMES = ("localhost",)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from radixflow.runtime.cache.kv_pool import KVPool, run_hint
+from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import RadixCache
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
@@ -23,6 +23,7 @@ from radixflow.runtime.scheduler.batch import build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
 from radixflow.runtime.scheduler.policy import order_waiting, shares_uncached
 from radixflow.runtime.scheduler.request import Req, ReqState
+from radixflow.runtime.scheduler.request_kv import RequestKV
 from radixflow.runtime.scheduler.speculative import Speculator
 from radixflow.runtime.scheduler.stats import SchedulerStats
 
@@ -30,9 +31,6 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
-# A cached prefix this short is copied into the request's own run: one contiguous run per
-# request decodes faster (kernels/cpu/grid.py) than a few keys read from elsewhere.
-COPY_PREFIX_BELOW = 16
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +69,7 @@ class Scheduler:
         self.chunked: Req | None = None
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
+        self.kv = RequestKV(self.pool, self.tree, self.metrics)
         self.spec = Speculator(config, eos_token_ids, encode)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -147,9 +146,9 @@ class Scheduler:
         verifies = self.spec.propose(self.running, spare, self.pool.page_size, self.context_len)
         decodes = [r for r in self.running if not r.draft_ids]
         for req in decodes:  # before admission, so prefills cannot take the decodes' pages
-            self._alloc_decode_slot(req)
+            self.kv.alloc_decode_slot(req)
         for req in verifies:  # the last token and the drafts, in `spare` pages
-            self._grow(req, 1 + len(req.draft_ids))
+            self.kv.grow(req, 1 + len(req.draft_ids))
         extends = self._admit()
         if not decodes and not extends and not verifies:
             if not self.has_work:
@@ -215,7 +214,7 @@ class Scheduler:
         self.running.remove(victim)
         self.counters["preemptions"] += 1
         victim.num_preemptions += 1
-        self._release(victim, keep_in_tree=True)
+        self.kv.release(victim, keep_in_tree=True)
         if victim.num_preemptions > self.config.max_preemptions:
             self._finish(victim, {"type": "abort", "message": "preempted too many times"})
             victim.error = "preempted too many times (KV pool too small for the load)"
@@ -254,7 +253,7 @@ class Scheduler:
         if self.chunked is not None:
             req = self.chunked
             chunk = min(req.seq_len - req.kv_len, self.config.chunked_prefill_size)
-            if self._grow(req, chunk):
+            if self.kv.grow(req, chunk):
                 extends.append(req)
                 budget -= chunk
         admitted_cost = 0.0
@@ -302,29 +301,8 @@ class Scheduler:
         return extends
 
     def _start(self, req: Req, prefix: np.ndarray, node: Any, chunk: int) -> bool:
-        """Give a waiting request its cached prefix (lock already held) and `chunk` new slots."""
-        size = self.pool.page_size
-        req.slots = np.zeros(0, dtype=I64)
-        req.set_slots(0, prefix)
-        req.kv_len = req.prefix_len = len(prefix)
-        req.last_node, req.own_pages = node, []
-        req.copy_src = req.copy_dst = None
-        req.input_logprobs_done = req.input_logprobs_done or not req.wants_input_logprobs
-        # Copied, never written into: a match's tail inside a tree page, or a short match whole
-        shared_tail = len(prefix) if len(prefix) < COPY_PREFIX_BELOW else len(prefix) % size
-        if shared_tail:
-            start, count = len(prefix) - shared_tail, -(-shared_tail // size)
-            future = req.seq_len + req.remaining_new_tokens() - start - count * size
-            pages = self._alloc_pages(count, req, future)
-            if pages is None:
-                return False
-            req.own_pages = pages
-            dst = (np.array(pages, dtype=I64)[:, None] * size + np.arange(size)).ravel()
-            req.copy_src, req.copy_dst = prefix[start:].copy(), dst[:shared_tail]
-            req.set_slots(start, req.copy_dst)
-        if not self._grow(req, chunk):
-            self.pool.decref(req.own_pages)
-            req.own_pages, req.copy_src = [], None
+        """Give a waiting request its cached prefix (lock held) and `chunk` new slots."""
+        if not self.kv.start(req, prefix, node, chunk):
             return False
         if req.cached_tokens < 0:
             req.cached_tokens = len(prefix)
@@ -333,53 +311,7 @@ class Scheduler:
         req.state = ReqState.RUNNING
         return True
 
-    def _grow(self, req: Req, count: int) -> bool:
-        """Allocate slots for positions kv_len .. kv_len+count-1 (evicting if needed).
-
-        Own pages are position-aligned: position p sits at offset p % page_size, so the tail
-        page (own_pages[-1]) continues wherever kv_len is not on a page boundary."""
-        size = self.pool.page_size
-        start = req.kv_len
-        offset = start % size
-        in_tail = min(size - offset, count) if offset else 0
-        future = req.seq_len + req.remaining_new_tokens() - start - count
-        pages = self._alloc_pages(-(-(count - in_tail) // size), req, future)
-        if pages is None:
-            return False
-        parts = []
-        if in_tail:
-            assert req.own_pages, f"{req.rid}: kv_len {start} mid-page without a tail page"
-            parts.append(req.own_pages[-1] * size + np.arange(offset, offset + in_tail, dtype=I64))
-        parts += [page * size + np.arange(size, dtype=I64) for page in pages]
-        req.set_slots(start, np.concatenate(parts)[:count] if parts else np.zeros(0, I64))
-        req.own_pages.extend(pages)
-        req.extend_target = start + count
-        return True
-
-    def _alloc_pages(self, count: int, req: Req, future: int) -> list[int] | None:
-        # continuing req's run, with room for `future` more slots behind a new run (run_hint)
-        if count == 0:
-            return []
-        short = count - self.pool.num_free_pages
-        if short > 0:
-            self.metrics.evicted(self.tree.evict(short * self.pool.page_size))
-        return self.pool.alloc_pages(count, *run_hint(req.own_pages, future, self.pool.page_size))
-
     # ---- the plan --------------------------------------------------------------------------
-
-    def _alloc_decode_slot(self, req: Req) -> int:
-        """The slot for position kv_len: in its own last page, or a new one (one is free)."""
-        size = self.pool.page_size
-        if req.kv_len % size:
-            slot = req.own_pages[-1] * size + req.kv_len % size
-        else:
-            hint = run_hint(req.own_pages, req.remaining_new_tokens(), size)
-            pages = self.pool.alloc_pages(1, *hint)
-            assert pages is not None, f"no page for decode: free={self.pool.num_free_pages}"
-            req.own_pages.extend(pages)
-            slot = pages[0] * size
-        req.set_slots(req.kv_len, np.array([slot], dtype=I64))
-        return slot
 
     # ---- after the forward -----------------------------------------------------------------
 
@@ -396,7 +328,7 @@ class Scheduler:
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
             req.kv_len = req.extend_target
-            self._cache_computed(req)
+            self.kv.cache_computed(req)
         self.counters["decode_tokens"] += len(decodes)
         for req in decodes:
             req.kv_len += 1
@@ -471,57 +403,13 @@ class Scheduler:
         if reason is not None:
             self._finish(req, reason)
 
-    # ---- KV ownership ----------------------------------------------------------------------
-
-    def _cache_computed(self, req: Req) -> None:
-        """Insert the computed prefix into the tree, adopt the tree's slots, move the lock."""
-        if self.tree.disabled:
-            return
-        keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
-        present = self.tree.insert(keys, req.slots[: req.kv_len])
-        slots, node = self.tree.match_prefix(keys)
-        assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
-        # someone else's duplicates: adopt the tree's slots, but a short head keeps its own
-        if req.prefix_len < present and present >= COPY_PREFIX_BELOW:
-            req.set_slots(req.prefix_len, slots[req.prefix_len : present])
-        self.tree.lock(node)
-        self.tree.unlock(req.last_node)
-        req.last_node, req.prefix_len = node, req.kv_len
-        self._drop_unused_pages(req)
-
-    def _drop_unused_pages(self, req: Req) -> None:
-        """Release own pages the slot table no longer points into."""
-        if not req.own_pages:
-            return
-        in_use = set((req.slots[: req.kv_len] // self.pool.page_size).tolist())
-        if req.kv_len % self.pool.page_size:  # the tail page the next token is written into
-            in_use.add(req.own_pages[-1])
-        unused = [p for p in req.own_pages if p not in in_use]
-        if unused:
-            req.own_pages = [p for p in req.own_pages if p in in_use]
-            self.pool.decref(unused)
-
-    def _release(self, req: Req, keep_in_tree: bool) -> None:
-        """Give back everything `req` holds; its computed KV stays in the tree (evictable)."""
-        if req.last_node is None and not req.own_pages:
-            return
-        if keep_in_tree and not self.tree.disabled and req.kv_len > req.prefix_len:
-            keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
-            self.tree.insert(keys, req.slots[: req.kv_len])
-        if req.last_node is not None:
-            self.tree.unlock(req.last_node)
-        self.pool.decref(req.own_pages)
-        req.own_pages, req.last_node = [], None
-        req.slots = np.zeros(0, dtype=I64)
-        req.kv_len = req.prefix_len = 0
-
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         if req.finished:
             return
         req.finish_reason = reason
         if reason["type"] in ("abort", "error") and req.error is None:
             req.error = reason.get("message", reason["type"])
-        self._release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
+        self.kv.release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
         self.metrics.finished(req, self.clock())
         self.spec.observe_finished(req)
         req.state = ReqState.FINISHED

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
+from radixflow.runtime.server import reports
 from radixflow.runtime.server.http_request import (
     STATUS_OF_CODE,
     HttpError,
@@ -318,7 +319,7 @@ class HttpDoor:
         return [[lp, t, s] for (lp, t), s in zip(pairs, texts)]
 
     async def model_info(self, request: web.Request) -> web.Response:
-        info = self.server.model_info_data()
+        info = reports.model_info_data(self.server)
         return json_response(
             {
                 **info,
@@ -337,7 +338,7 @@ class HttpDoor:
 
         config = dataclasses.asdict(self.server.config)
         config.pop("api_key")
-        stats = self.server.stats_data()
+        stats = reports.stats_data(self.server)
         info = {
             **config,
             "model_path": self.server.model_info.get("model_path"),
@@ -361,7 +362,7 @@ class HttpDoor:
         return web.Response(text="Cache flushed.\n")
 
     async def health(self, request: web.Request) -> web.Response:
-        data = self.server.health_data()
+        data = reports.health_data(self.server)
         return json_response(data, 200 if data["ok"] else 503)
 
     async def get_load(self, request: web.Request) -> web.Response:
@@ -380,14 +381,14 @@ class HttpDoor:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """Generates one token (as SGLang does) so a stuck scheduler shows as 503."""
-        if not self.server.health_data()["ok"]:
-            return json_response(self.server.health_data(), 503)
+        if not reports.health_data(self.server)["ok"]:
+            return json_response(reports.health_data(self.server), 503)
         msg = Generate(new_rid(), input_ids=[0], sampling_params={"max_new_tokens": 1})
         try:
             await asyncio.wait_for(self.finals(self.submit([msg])), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, HttpError) as e:
             raise HttpError(503, f"health generation failed: {e or 'timed out'}") from e
-        return json_response(self.server.health_data())
+        return json_response(reports.health_data(self.server))
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self.body(request)

@@ -22,12 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,15 +32,12 @@ from typing import Any
 import zmq
 
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.protocol.limits import RequestLimits
 from radixflow.runtime.protocol.messages import (
     ERROR_DUPLICATE_RID,
     ERROR_INTERNAL,
     ERROR_INVALID_REQUEST,
     ERROR_SHUTDOWN,
     ERROR_UNAVAILABLE,
-    FROM_SCHEDULER,
-    PROTOCOL_VERSION,
     Abort,
     AbortRequests,
     AddRequests,
@@ -64,22 +57,25 @@ from radixflow.runtime.protocol.messages import (
     SchedulerReady,
     SchedulerStats,
     Score,
-    Shutdown,
     Stats,
     Status,
 )
-from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.protocol.transport import (
-    PullQueue,
-    PushQueue,
     TransportError,
     is_loopback,
-    make_ipc_dir,
-    remove_ipc_dir,
 )
+from radixflow.runtime.server import reports
 from radixflow.runtime.server.http_api import HttpDoor
 from radixflow.runtime.server.jobs import FlushJob, GenerateJob, Job, ScoreJob, prefill_spec
 from radixflow.runtime.server.metrics import Metrics, load_summary
+from radixflow.runtime.server.supervisor import SchedulerProcess
+from radixflow.runtime.server.validation import (
+    MAX_JOBS_IN_FLIGHT,
+    MAX_RID_LEN,
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    RequestRules,
+)
 from radixflow.runtime.server.zmq_door import ZmqDoor
 from radixflow.runtime.tokenizer import load_tokenizer
 
@@ -87,27 +83,13 @@ log = logging.getLogger("radixflow.server")
 
 POLL_MS = 100
 MAX_RESTARTS_IN_A_ROW = 3
-SHUTDOWN_WAIT_S = 10.0
-MAX_TOP_LOGPROBS = 64
-MAX_RID_LEN = 256
-MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_PUMPS = 8  # drain rounds per callback before yielding to the HTTP handlers
-MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
-MAX_STATUS_RIDS = MAX_JOBS_IN_FLIGHT  # a status query answers for at most this many rids
 DRAINING_MESSAGE = "the server is shutting down (draining): send the request to another server"
 SHUTDOWN_MESSAGE = "the server is shutting down: the request did not finish within the drain"
 
 
 class ServerStartError(RuntimeError):
     """The server could not start (bad host/key combination, the scheduler failed to load)."""
-
-
-class RequestError(ValueError):
-    """A request that is answered with an error reply; `code` is an ERROR_* name."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Server:
@@ -118,26 +100,20 @@ class Server:
                 "must then carry it"
             )
         self.config = config
-        self.log_level = log_level
         self.ctx = zmq.Context()
-        self.ipc = make_ipc_dir()
-        self.to_scheduler: PushQueue[Any] = PushQueue(self.ctx, self.ipc.to_scheduler, True)
-        self.from_scheduler: PullQueue[Any] = PullQueue(
-            self.ctx, self.ipc.from_scheduler, True, FROM_SCHEDULER
-        )
+        self.scheduler = SchedulerProcess(self.ctx, config, log_level)
         self.zmq = ZmqDoor(self)
         self.address = ""  # tcp:// of the ZeroMQ door
         self.http_url = ""  # http:// of the HTTP door
         self.wakeup: asyncio.Event | None = None
         self.metrics = Metrics(lambda: self.scheduler_stats)
-        self.proc: subprocess.Popen[bytes] | None = None
         self.status = "starting"
         self.last_error = ""
         self.start_error = ""  # the scheduler's SchedulerFailed message
-        self.restarts = 0
         self.failed_starts = 0
         self.model_info: dict[str, Any] = {}
         self.tokenizer: Any = None
+        self.rules: RequestRules | None = None  # once the model is known
         self.jobs: dict[str, Job] = {}  # by the client's rid
         self.by_internal: dict[str, Job] = {}  # by scheduler rid
         self.scheduler_stats: dict[str, Any] = {}
@@ -153,10 +129,10 @@ class Server:
             CachePrefix: self._on_cache_prefix,
             Abort: self._on_abort,
             FlushCache: self._on_flush,
-            ModelInfo: self._on_model_info,
-            Stats: self._on_stats,
-            Health: self._on_health,
-            Status: self._on_status,
+            ModelInfo: self._on_report,
+            Stats: self._on_report,
+            Health: self._on_report,
+            Status: self._on_report,
             Ping: lambda identity, msg: None,
         }
 
@@ -170,16 +146,17 @@ class Server:
     def start(self) -> str:
         """Start the scheduler, wait until it has loaded the model, bind the ZeroMQ socket.
         Returns its address (the HTTP door binds in `run`). Raises ServerStartError."""
-        self._spawn_scheduler()
+        self.scheduler.spawn()
         while self.status != "ok":
             if self.draining:
                 raise ServerStartError("interrupted while starting")
-            for msg in self.from_scheduler.drain(POLL_MS):
+            for msg in self.scheduler.inbox.drain(POLL_MS):
                 self._on_scheduler_message(msg)
             if self.start_error:
                 raise ServerStartError(self.start_error)
-            if self.status != "ok" and self.proc is not None and self.proc.poll() is not None:
-                raise ServerStartError(f"the scheduler process exited ({self.proc.returncode})")
+            code = self.scheduler.exit_code()
+            if self.status != "ok" and code is not None:
+                raise ServerStartError(f"the scheduler process exited ({code})")
         port = self.config.zmq_port if self.config.port else 0  # --port 0: both ports free
         self.address = self.zmq.bind(self.ctx, self.config.host, port)
         if self.config.api_key:
@@ -221,7 +198,7 @@ class Server:
             loop.add_signal_handler(sig, self._on_signal)
         door = HttpDoor(self)
         self.http_url = await door.start(self.config.host, self.config.port)
-        sockets = (self.zmq.router, self.from_scheduler.socket)
+        sockets = (self.zmq.router, self.scheduler.inbox.socket)
         for sock in sockets:
             loop.add_reader(sock.getsockopt(zmq.FD), self._pump)
         announce(self.http_url, self.address)
@@ -245,9 +222,9 @@ class Server:
         can consume an edge, so keep going until ZMQ_EVENTS shows nothing left."""
         for _ in range(MAX_PUMPS):
             self.zmq.drain()
-            for msg in self.from_scheduler.drain():
+            for msg in self.scheduler.inbox.drain():
                 self._on_scheduler_message(msg)
-            scheduler_waiting = self.from_scheduler.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            scheduler_waiting = self.scheduler.inbox.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
             if not (self.zmq.pending() or scheduler_waiting):
                 return
         asyncio.get_running_loop().call_soon(self._pump)  # let HTTP handlers run meanwhile
@@ -259,47 +236,17 @@ class Server:
     def close(self) -> None:
         """Answer every request in flight, stop the scheduler, remove the ipc files."""
         self._fail_all(ERROR_SHUTDOWN, SHUTDOWN_MESSAGE)
-        self._stop_scheduler()
+        self.scheduler.close()
         self.zmq.close()
-        self.to_scheduler.close()
-        self.from_scheduler.close()
         self.ctx.term()
-        remove_ipc_dir(self.ipc)
 
     # ---- the scheduler process ------------------------------------------------------------
 
-    def _spawn_scheduler(self) -> None:
-        config = dataclasses.asdict(self.config.replace(api_key=""))
-        cmd = [sys.executable, "-m", "radixflow.runtime", "scheduler", "--ipc-dir"]
-        cmd += [self.ipc.directory, "--parent-pid", str(os.getpid())]
-        cmd += ["--config-json", json.dumps(config), "--log-level", self.log_level]
-        # PYTHONSAFEPATH: `-m` would put the working directory first on sys.path, and a
-        # checkout's kernels/ folder there shadows the `kernels` package transformers imports
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), env=env
-        )
-
-    def _stop_scheduler(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            self.to_scheduler.put(Shutdown())
-        except TransportError:
-            self.proc.terminate()
-        try:
-            self.proc.wait(SHUTDOWN_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.error("scheduler did not stop in %.0fs; killing it", SHUTDOWN_WAIT_S)
-            self.proc.kill()
-            self.proc.wait()
-
     def _check_scheduler(self) -> None:
         """Fail everything in flight when the scheduler died; restart it (a few times)."""
-        if self.proc is None or self.proc.poll() is None:
+        code = self.scheduler.reap()
+        if code is None:
             return
-        code = self.proc.returncode
-        self.proc = None
         self.last_error = f"the scheduler process exited with code {code}"
         log.error("%s; failing %d requests in flight", self.last_error, len(self.jobs))
         for job in list(self.jobs.values()):
@@ -312,8 +259,7 @@ class Server:
             log.error("the scheduler failed %d times in a row; giving up", self.failed_starts)
             return
         self.status = "restarting"
-        self.restarts += 1
-        self._spawn_scheduler()
+        self.scheduler.spawn()
 
     def _on_scheduler_message(self, msg: Any) -> None:
         if isinstance(msg, RequestUpdates):
@@ -334,6 +280,7 @@ class Server:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(msg.model_info["model_path"], self.config.chat_template)
         self.model_info = msg.model_info
+        self.rules = RequestRules(self.config, self.model_info, self.tokenizer)
         self.status, self.failed_starts = "ok", 0
         log.info("scheduler %d ready (model loaded in %.1fs)", msg.pid, msg.load_seconds)
 
@@ -366,7 +313,7 @@ class Server:
             self._register(job)
         specs = [dataclasses.replace(s, rid=job.internal[0]) for job, s in prepared]
         try:
-            self.to_scheduler.put(AddRequests(specs))
+            self.scheduler.put(AddRequests(specs))
         except TransportError as e:
             for job, _ in prepared:
                 self._forget(job)
@@ -378,9 +325,9 @@ class Server:
 
     def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
-        ids = self._prompt_ids(msg.text, msg.input_ids)
-        sampling = self._sampling(msg.sampling_params)
-        self._check_limits(ids, sampling)
+        ids = self.rules.prompt_ids(msg.text, msg.input_ids)
+        sampling = self.rules.sampling(msg.sampling_params)
+        self.rules.check_limits(ids, sampling)
         if not -1 <= msg.logprob_start_len < len(ids):
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
@@ -405,20 +352,20 @@ class Server:
         self._check_new(msg.rid)
         if not msg.continuations:
             raise RequestError(ERROR_INVALID_REQUEST, "continuations is empty")
-        prefix = self._encode(msg.prefix)
-        conts = [self._encode(c) for c in msg.continuations]
+        prefix = self.rules.encode(msg.prefix)
+        conts = [self.rules.encode(c) for c in msg.continuations]
         if not all(conts):
             raise RequestError(ERROR_INVALID_REQUEST, "a continuation is empty")
         specs = [prefill_spec(prefix + ids, len(prefix)) for ids in conts]
         if msg.unconditional:
             specs += [prefill_spec(ids, 0) for ids in conts]
         for spec in specs:
-            self._check_limits(spec.input_ids, None)
+            self.rules.check_limits(spec.input_ids, None)
         self._dispatch(ScoreJob(identity, msg, conts), specs)
 
     def _on_cache_prefix(self, identity: Any, msg: CachePrefix) -> None:
         self._check_new(msg.rid)
-        ids = self._prompt_ids(msg.text, None)
+        ids = self.rules.prompt_ids(msg.text, None)
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
 
     def _on_abort(self, identity: Any, msg: Abort) -> None:
@@ -432,67 +379,14 @@ class Server:
         self._register(job)
         self._put(Flush(job.internal[0]), job)
 
-    def _on_model_info(self, identity: Any, msg: ModelInfo) -> None:
-        self._send(identity, Result(msg.rid, self.model_info_data()))
-
-    def _on_stats(self, identity: Any, msg: Stats) -> None:
-        self._send(identity, Result(msg.rid, self.stats_data()))
-
-    def _on_health(self, identity: Any, msg: Health) -> None:
-        self._send(identity, Result(msg.rid, self.health_data()))
-
-    def _on_status(self, identity: Any, msg: Status) -> None:
-        self._send(identity, Result(msg.rid, self.status_data(msg.target_rids)))
-
-    def status_data(self, rids: list[str]) -> dict[str, Any]:
-        """Where each request of `rids` stands (a waiting client's liveness signal)."""
-        stats, now = self.scheduler_stats, time.monotonic()
-        requests: dict[str, Any] = {}
-        for rid in rids[:MAX_STATUS_RIDS]:
-            job = self.jobs.get(rid)
-            if job is None:
-                requests[rid] = {"state": "unknown"}
-                continue
-            requests[rid] = {"state": "in_flight", "seconds": round(now - job.started, 1)}
-            if isinstance(job, GenerateJob) and job.msg.stream:  # others report only at the end
-                requests[rid]["completion_tokens"] = len(job.output_ids)
-        return {
-            "requests": requests,
-            "running_requests": stats.get("running_requests", 0),
-            "waiting_requests": stats.get("waiting_requests", 0),
-            "status": "draining" if self.draining else self.status,
-        }
-
-    def model_info_data(self) -> dict[str, Any]:
-        return {
-            **self.model_info,
-            "max_new_tokens_limit": self.config.max_new_tokens_limit,
-            "max_message_bytes": self.config.max_message_bytes,
-            "protocol_version": PROTOCOL_VERSION,
-        }
-
-    def stats_data(self) -> dict[str, Any]:
-        server = {
-            **self.counters,
-            "status": self.status,
-            "requests_in_flight": len(self.jobs),
-            "clients_waiting": len(self.zmq.last_seen),
-            "scheduler_restarts": self.restarts,
-            "uptime_s": time.monotonic() - self.started,
-        }
-        return {**self.scheduler_stats, "idle_check": self.idle_check, "server": server}
-
-    def health_data(self) -> dict[str, Any]:
-        """`status` is "draining" once a stop was asked for (so routers stop sending)."""
-        status = "draining" if self.draining else self.status
-        return {
-            "ok": status == "ok",
-            "status": status,
-            "scheduler_pid": self.proc.pid if self.proc is not None else None,
-            "scheduler_restarts": self.restarts,
-            "last_error": self.last_error,
-            "requests_in_flight": len(self.jobs),
-        }
+    def _on_report(self, identity: Any, msg: ModelInfo | Stats | Health | Status) -> None:
+        """Answered from the server's own state (reports.py), never waiting on the model."""
+        if isinstance(msg, Status):
+            data = reports.status_data(self, msg.target_rids)
+        else:
+            by_type = {ModelInfo: reports.model_info_data, Stats: reports.stats_data}
+            data = by_type.get(type(msg), reports.health_data)(self)
+        self._send(identity, Result(msg.rid, data))
 
     def abort_rid(self, rid: str, message: str = "aborted by the client") -> bool:
         """Abort request `rid` (either door's); False when it is not in flight."""
@@ -509,8 +403,6 @@ class Server:
                 self._forget(job)
             else:
                 self._abort(job, message)
-
-    # ---- validation -----------------------------------------------------------------------
 
     def _check_new(self, rid: str) -> None:
         if self.draining:
@@ -529,41 +421,7 @@ class Server:
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added); raises RequestError."""
-        return self._encode(text)
-
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of `text`; text that cannot fit the context is refused untokenized (a
-        huge text would stall this loop in the tokenizer)."""
-        if len(text) > MAX_CHARS_PER_TOKEN * self.model_info["context_length"]:
-            raise RequestError(ERROR_INVALID_REQUEST, f"text of {len(text)} chars is too long")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _prompt_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
-        if (text is None) == (input_ids is None):
-            raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
-        ids = self._encode(text) if text is not None else input_ids
-        self._check_limits(ids, None)
-        return ids
-
-    def _sampling(self, params: dict[str, Any]) -> SamplingParams:
-        try:
-            sampling = SamplingParams.from_dict(params)
-        except (ValueError, TypeError) as e:
-            raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
-        if sampling.n != 1:
-            raise RequestError(ERROR_INVALID_REQUEST, "n must be 1 here; send n requests")
-        return sampling
-
-    def _check_limits(self, ids: list[int], sampling: SamplingParams | None) -> None:
-        limits = RequestLimits(
-            self.model_info["context_length"],
-            self.model_info["vocab_size"],
-            self.config.max_new_tokens_limit,
-        )
-        try:
-            limits.check(ids, sampling)
-        except ValueError as e:
-            raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
+        return self.rules.encode(text)
 
     # ---- jobs -----------------------------------------------------------------------------
 
@@ -582,7 +440,7 @@ class Server:
 
     def _put(self, msg: Any, job: Job) -> None:
         try:
-            self.to_scheduler.put(msg)
+            self.scheduler.put(msg)
         except TransportError as e:
             self._forget(job)
             raise RequestError(ERROR_UNAVAILABLE, "the scheduler is not connected") from e
@@ -603,7 +461,7 @@ class Server:
         live = [rid for rid in job.internal if rid in self.by_internal]
         if live:
             try:
-                self.to_scheduler.put(AbortRequests(live, message))
+                self.scheduler.put(AbortRequests(live, message))
             except TransportError:
                 log.warning("abort of %s not delivered: the scheduler is gone", job.rid)
 
@@ -639,37 +497,3 @@ class Server:
             if self.jobs or stats.get("running_requests"):
                 rate = (self.last_log[1] - decoded_before) / (now - since)
                 log.info("%s", load_summary(stats, len(self.jobs), rate))
-
-
-def ready_line(http_url: str, zmq_address: str) -> str:
-    """The one stdout line that says the server can serve (parsed by `Runtime`)."""
-    return f"radixflow ready on {http_url} (HTTP) and {zmq_address} (ZeroMQ)"
-
-
-def failed_line(reason: object) -> str:
-    """The stdout line of a server that could not start (`Runtime` raises with it)."""
-    return f"radixflow failed to start: {reason}"
-
-
-def serve(config: ServerConfig, log_level: str = "info") -> int:
-    """Run a server until SIGINT/SIGTERM; print the ready line on stdout. Returns an exit code."""
-    try:
-        server = Server(config, log_level)
-    except ServerStartError as e:
-        log.error("%s", e)
-        print(failed_line(e), flush=True)
-        return 1
-    signal.signal(signal.SIGTERM, server.request_stop)  # while loading; the loop's own after
-    signal.signal(signal.SIGINT, server.request_stop)
-    try:
-        server.start()
-        asyncio.run(
-            server.run(lambda url, zmq_address: print(ready_line(url, zmq_address), flush=True))
-        )
-    except (ServerStartError, OSError) as e:  # OSError: the HTTP port is taken
-        log.error("%s", e)
-        print(failed_line(e), flush=True)
-        return 1
-    finally:
-        server.close()
-    return 0

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from radixflow.runtime.protocol.codec import decode_with_key, encode
 from radixflow.runtime.protocol.messages import (
     CLIENT_REQUESTS,
     CLIENT_TIMEOUT_S,
@@ -24,8 +25,6 @@ from radixflow.runtime.protocol.messages import (
     Error,
     Ping,
     ProtocolError,
-    decode_with_key,
-    encode,
 )
 from radixflow.runtime.protocol.transport import client_router
 

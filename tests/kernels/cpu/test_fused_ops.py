@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixflow.runtime.models.layers import ModelConfig, Rope, apply_rope, rope_qk
+from radixflow.runtime.models.layers import ModelConfig
+from radixflow.runtime.models.rope import Rope, apply_rope, rope_qk
 
 
 def rope_tables(head_dim: int, partial: float, positions: torch.Tensor, dtype: torch.dtype):

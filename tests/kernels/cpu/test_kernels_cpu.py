@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from radixflow.kernels import CPU_OPS, REFERENCE_OPS, get_ops, reference
 from radixflow.kernels.cpu import attention as cpu_attention
 from radixflow.kernels.cpu import decode_layout as cpu_decode_layout
-from radixflow.kernels.cpu import native, short_extend
+from radixflow.kernels.cpu import native, short_extend, torch_attention
 from radixflow.kernels.shared_prefix import MIN_SHARED_KEYS, find_shared_prefixes
 
 NUM_KV_HEADS = 2
@@ -258,7 +258,7 @@ def test_cpu_decode_reads_contiguous_runs_as_views(
     out = cpu_attention.decode_attention(*args, layout=layout, **extra)
     assert_close(out, reference.decode_attention(*args, **extra))
     if dtype == torch.float32:  # a view shares the pool's storage
-        view = cpu_attention._pool_view(pool.k, 1, 10)
+        view = torch_attention.pool_view(pool.k, 1, 10)
         assert view.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
 
 
@@ -306,7 +306,7 @@ def test_cpu_decode_reads_a_strided_batch_as_one_grid(
     assert [h[0].tolist() for h in layout.heads] == [[5]]  # merged by log-sum-exp
     out = cpu_attention.decode_attention(*args, layout=layout, **extra)
     assert_close(out, reference.decode_attention(*args, **extra))
-    keys = cpu_attention._grid_keys(pool.k, grid)
+    keys = torch_attention.grid_keys(pool.k, grid)
     shares = keys.untyped_storage().data_ptr() == pool.k.untyped_storage().data_ptr()
     assert shares == (dtype == torch.float32)  # fp32: a view, no copy
 
@@ -336,7 +336,7 @@ def test_cpu_decode_grid_past_the_pool_end_is_gathered() -> None:
     args += (HEAD_DIM**-0.5,)
     layout = cpu_attention.decode_layout(*args[3:5])
     assert layout.grid is not None and layout.grid.count == 4
-    keys = cpu_attention._grid_keys(pool.k, layout.grid)
+    keys = torch_attention.grid_keys(pool.k, layout.grid)
     assert keys.untyped_storage().data_ptr() != pool.k.untyped_storage().data_ptr()
     assert_close(
         cpu_attention.decode_attention(*args, layout=layout), reference.decode_attention(*args)

@@ -18,7 +18,8 @@ from radixflow.kernels import reference
 from radixflow.kernels.cpu import attention as cpu_attention
 from radixflow.kernels.cpu import decode_layout as cpu_decode_layout
 from radixflow.kernels.cpu import native
-from radixflow.runtime.models.layers import rms_norm, rope_qk
+from radixflow.runtime.models.layers import rms_norm
+from radixflow.runtime.models.rope import rope_qk
 
 LIB = native.library()
 needs_lib = pytest.mark.skipif(

@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from radixflow.runtime.protocol import codec
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.sampling import SamplingParams
 
@@ -70,26 +71,26 @@ def test_every_message_type_has_a_sample() -> None:
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda s: s.TAG)
 def test_round_trip(message: object) -> None:
     family = m.ALL_MESSAGES
-    assert m.decode(m.encode(message), family) == message
-    decoded, key = m.decode_with_key(m.encode(message, api_key="k3y"), family)
+    assert codec.decode(codec.encode(message), family) == message
+    decoded, key = codec.decode_with_key(codec.encode(message, api_key="k3y"), family)
     assert decoded == message and key == "k3y"
 
 
 def test_envelope_and_plain_ints() -> None:
-    frame = m.encode(m.Generate("g", input_ids=np.array([1, 2], dtype=np.int64).tolist()))
+    frame = codec.encode(m.Generate("g", input_ids=np.array([1, 2], dtype=np.int64).tolist()))
     body = msgpack.unpackb(frame)
     assert body["v"] == m.PROTOCOL_VERSION and body["t"] == "generate" and "key" not in body
     numpy_ids = m.ReqUpdate("r", new_ids=list(np.array([3, 4], dtype=np.int32)))
-    decoded = m.decode(m.encode(m.RequestUpdates([numpy_ids])), m.FROM_SCHEDULER)
+    decoded = codec.decode(codec.encode(m.RequestUpdates([numpy_ids])), m.FROM_SCHEDULER)
     assert decoded.updates[0].new_ids == [3, 4]
     assert all(type(t) is int for t in decoded.updates[0].new_ids)
 
 
 def test_int_accepted_for_float_and_bool_is_not_int() -> None:
     frame = _frame(t="scheduler_ready", model_info={}, pid=1, load_seconds=2)
-    assert m.decode(frame, m.FROM_SCHEDULER).load_seconds == 2.0
+    assert codec.decode(frame, m.FROM_SCHEDULER).load_seconds == 2.0
     with pytest.raises(m.ProtocolError, match="logprob_start_len"):
-        m.decode(_frame(rid="x", logprob_start_len=True), m.CLIENT_REQUESTS)
+        codec.decode(_frame(rid="x", logprob_start_len=True), m.CLIENT_REQUESTS)
 
 
 def _frame(**body: object) -> bytes:
@@ -130,22 +131,22 @@ BAD_FRAMES = [
 @pytest.mark.parametrize("name,frame,code,rid", BAD_FRAMES, ids=[b[0] for b in BAD_FRAMES])
 def test_bad_frames_raise_protocol_error(name: str, frame: bytes, code: str, rid: str) -> None:
     with pytest.raises(m.ProtocolError) as info:
-        m.decode(frame, m.CLIENT_REQUESTS)
+        codec.decode(frame, m.CLIENT_REQUESTS)
     assert info.value.code == code, info.value
     assert info.value.rid == rid
 
 
 def test_oversized_frame_is_refused_before_unpacking() -> None:
-    frame = m.encode(m.Generate("big", text="x" * 5000))
+    frame = codec.encode(m.Generate("big", text="x" * 5000))
     with pytest.raises(m.ProtocolError) as info:
-        m.decode(frame, m.CLIENT_REQUESTS, max_bytes=1000)
+        codec.decode(frame, m.CLIENT_REQUESTS, max_bytes=1000)
     assert info.value.code == m.ERROR_TOO_LARGE
 
 
 def test_nested_dataclass_fields_are_checked() -> None:
     body = {"v": 1, "t": "add_requests", "reqs": [{"rid": "a", "input_ids": "oops"}]}
     with pytest.raises(m.ProtocolError, match=r"add_requests.reqs\[0\].input_ids"):
-        m.decode(msgpack.packb(body), m.TO_SCHEDULER)
+        codec.decode(msgpack.packb(body), m.TO_SCHEDULER)
 
 
 def test_messages_are_frozen() -> None:

@@ -297,7 +297,7 @@ def test_short_cached_prefix_copied_into_own_run(page_size: int) -> None:
     (one run per request is what the CPU decode's grid reads fastest), still counted as
     cached and not recomputed; a longer one stays shared. Requests prefilled together keep
     their own copy of a short common head instead of adopting each other's slots."""
-    from radixflow.runtime.scheduler.scheduler import COPY_PREFIX_BELOW
+    from radixflow.runtime.scheduler.request_kv import COPY_PREFIX_BELOW
 
     sched, runner = make_scheduler(page_size=page_size)
     short, long = [7, 8, 9], list(range(1, COPY_PREFIX_BELOW + 5))

@@ -24,6 +24,7 @@ from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Generate
+from radixflow.runtime.server import reports
 from radixflow.runtime.server.server import RequestError, Server
 
 READY = re.compile(r"^radixflow ready on (http://\S+) \(HTTP\) and (tcp://\S+) \(ZeroMQ\)")
@@ -171,7 +172,7 @@ def test_a_second_signal_ends_the_drain_at_once() -> None:
     try:
         server.request_stop()
         assert 29 < server.drain_deadline - time.monotonic() <= 30
-        assert server.health_data()["status"] == "draining"
+        assert reports.health_data(server)["status"] == "draining"
         with pytest.raises(RequestError) as refused:
             server.submit_generates([(None, Generate("r1", text="Hi"))])
         assert refused.value.code == m.ERROR_SHUTDOWN

@@ -16,6 +16,7 @@ from test_server import wait_for, wait_idle
 
 from conftest import Server
 from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
+from radixflow.runtime.protocol import codec
 from radixflow.runtime.protocol import messages as m
 
 CONTEXT = 256
@@ -156,7 +157,7 @@ def raw_exchange(address: str, frame: bytes) -> m.Error | m.Result:
     try:
         sock.send(frame)
         assert sock.poll(15000), "no reply"
-        return m.decode(sock.recv(), m.CLIENT_REPLIES)
+        return codec.decode(sock.recv(), m.CLIENT_REPLIES)
     finally:
         sock.close()
 

@@ -37,6 +37,7 @@ from test_server import wait_for, wait_idle
 import radixflow as sgl
 from conftest import Server, finishes
 from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
+from radixflow.runtime.protocol import codec
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.sampling import SamplingParams
 
@@ -437,7 +438,7 @@ class RawClient:
         """The next reply, or None after `timeout_s`."""
         if not self.socket.poll(int(timeout_s * 1000)):
             return None
-        return m.decode(self.socket.recv(), m.CLIENT_REPLIES)
+        return codec.decode(self.socket.recv(), m.CLIENT_REPLIES)
 
     def close(self) -> None:
         self.socket.close()
@@ -464,14 +465,14 @@ class Fuzzer:
         parts = build_frames(spec, rid)
         want = expect(parts, self.limits)
         self.raw.send(parts)
-        self.raw.send([m.encode(m.Health(fence))])
+        self.raw.send([codec.encode(m.Health(fence))])
         replies, fenced, aborted = [], False, False
         start = time.monotonic()
         while not fenced or (want.dispatched and not _final(replies)):
             waited = time.monotonic() - start
             assert waited < self.REPLY_TIMEOUT_S, f"case {self.cases}: {spec!r:.300} unanswered"
             if fenced and not aborted and waited > self.ABORT_AFTER_S:
-                self.raw.send([m.encode(m.Abort(f"abort-{rid}", want.rids[0]))])
+                self.raw.send([codec.encode(m.Abort(f"abort-{rid}", want.rids[0]))])
                 aborted = True
             reply = self.raw.recv(0.2)
             if reply is None:

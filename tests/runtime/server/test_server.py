@@ -21,6 +21,7 @@ import zmq
 
 from conftest import Server
 from radixflow.backend import RuntimeEndpoint, RuntimeEndpointError
+from radixflow.runtime.protocol import codec
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.server.jobs import visible_text
 
@@ -273,7 +274,7 @@ def raw_reply(address: str, frames: list[bytes], timeout_ms: int = 15000) -> m.E
     try:
         sock.send_multipart(frames)
         assert sock.poll(timeout_ms), "no reply"
-        return m.decode(sock.recv(), m.CLIENT_REPLIES)
+        return codec.decode(sock.recv(), m.CLIENT_REPLIES)
     finally:
         sock.close()
 

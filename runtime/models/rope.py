@@ -1,0 +1,112 @@
+"""Rotary position embeddings: the tables (default, linear, Llama 3 and LongRoPE scaling, as
+transformers computes them) and their application to queries and keys."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixflow.kernels.cpu import native
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_inv_freq(
+    theta: float, scaling: dict[str, Any] | None, dim: int, max_position: int
+) -> tuple[torch.Tensor, torch.Tensor | None, int, float]:
+    """-> (inv_freq (dim/2,), long_inv_freq or None, original_max_position, cos/sin scale),
+    as transformers computes them (fp32), for the rope types in ROPE_TYPES."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (theta**exponent)
+    scaling = scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "longrope":
+        original = int(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or max_position / original
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        short, long = (
+            torch.tensor(scaling[k], dtype=torch.float32) for k in ("short_factor", "long_factor")
+        )
+        return 1.0 / (short * theta**exponent), 1.0 / (long * theta**exponent), original, attention
+    elif kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}; supported: {ROPE_TYPES}")
+    return inv_freq, None, 0, 1.0
+
+
+class Rope(nn.Module):
+    """Rotary tables of one layer kind. LongRoPE picks the long factors for positions at or
+    past `original_max_position`, per position: transformers picks by sequence length per
+    call, which is the same token for token when the prompt fits the original window."""
+
+    def __init__(self, config: Any, theta: float, scaling: dict[str, Any] | None) -> None:
+        """`config`: a ModelConfig (its head_dim, partial_rotary_factor, max_position)."""
+        super().__init__()
+        dim = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq, long_inv_freq, original, scale = rope_inv_freq(
+            theta, scaling, dim, config.max_position
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        self.original_max_position, self.scale = original, scale
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions (T,) -> cos, sin (T, 1, rotary_dim) in the rotate-half layout."""
+        inv_freq = self.inv_freq[None, :]  # (1, rotary_dim/2)
+        if self.long_inv_freq is not None:
+            is_long = (positions >= self.original_max_position)[:, None]
+            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
+        freqs = positions[:, None].float() * inv_freq  # (T, rotary_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, rotary_dim)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D); cos/sin (T, 1, R) rotate the first R dims (partial rotary: R < D).
+    The reference form (rotate-half spelled out); `rope_qk` computes the same in fewer passes."""
+    rotary = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos + rotated * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+def rope_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` of q and k heads at once: qk (T, H + Hkv, D), a strided view of the fused
+    qkv output. Each half is written straight into the result (x1·cos - x2·sin, then
+    x2·cos + x1·sin), with no concatenated rotate-half copy: 2.2x faster than two calls at
+    64 decode rows (SmolLM2 shapes, 1 thread). Assumes cos/sin repeat their two halves, as
+    `Rope` builds them. One native pass where the kernels are built (kernels/cpu/native.py);
+    `DecoderLayer._attention` calls that pass with the KV store folded in first."""
+    fused = native.rope(qk, cos, sin)
+    if fused is not None:
+        return fused
+    rotary, (t, heads, dim) = cos.shape[-1], qk.shape
+    half = rotary // 2
+    c, s_ = cos[..., :half], sin[..., :half]
+    out = torch.empty((t, heads, dim), dtype=qk.dtype, device=qk.device)
+    x1, x2 = qk[..., :half], qk[..., half:rotary]
+    o1, o2 = out[..., :half], out[..., half:rotary]
+    torch.mul(x1, c, out=o1)
+    o1.sub_(x2 * s_)
+    torch.mul(x2, c, out=o2)
+    o2.addcmul_(x1, s_)
+    if rotary < dim:
+        out[..., rotary:] = qk[..., rotary:]
+    return out
