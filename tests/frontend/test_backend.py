@@ -21,6 +21,7 @@ import radixflow as sgl
 from conftest import finishes
 from radixflow.backend import RuntimeEndpoint
 from radixflow.http_transport import HttpTransport
+from radixflow.runtime.protocol.codec import decode, encode
 from radixflow.runtime.protocol.messages import (
     CLIENT_REQUESTS,
     Chunk,
@@ -28,8 +29,6 @@ from radixflow.runtime.protocol.messages import (
     ModelInfo,
     Result,
     Status,
-    decode,
-    encode,
 )
 from radixflow.transport import Liveness, RuntimeEndpointError, Transport
 from radixflow.zmq_transport import ZmqTransport
