@@ -44,7 +44,7 @@ def model_info_data(server: Any) -> dict[str, Any]:
 
 
 def stats_data(server: Any) -> dict[str, Any]:
-    server = {
+    own = {
         **server.counters,
         "status": server.status,
         "requests_in_flight": len(server.jobs),
@@ -52,7 +52,7 @@ def stats_data(server: Any) -> dict[str, Any]:
         "scheduler_restarts": server.scheduler.restarts,
         "uptime_s": time.monotonic() - server.started,
     }
-    return {**server.scheduler_stats, "idle_check": server.idle_check, "server": server}
+    return {**server.scheduler_stats, "idle_check": server.idle_check, "server": own}
 
 
 def health_data(server: Any) -> dict[str, Any]:
