@@ -103,7 +103,7 @@ def build(
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
-        cpu = next((line for line in _cpuinfo() if line.startswith("flags")), "")
+        cpu = next((line for line in cpuinfo() if line.startswith("flags")), "")
         texts = [source.read_text()]  # and the files it includes from its folder
         for included in re.findall(r'^#include "([^"]+)"', texts[0], re.MULTILINE):
             texts.append((source.parent / included).read_text())
@@ -134,7 +134,8 @@ def build(
     return lib
 
 
-def _cpuinfo() -> list[str]:
+def cpuinfo() -> list[str]:
+    """/proc/cpuinfo's lines (none where it cannot be read)."""
     try:
         return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

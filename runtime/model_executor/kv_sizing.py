@@ -35,8 +35,7 @@ import torch
 
 from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
 from radixflow.runtime.models import quantized
-from radixflow.runtime.models.footprint import weight_bytes_estimate
-from radixflow.runtime.models.loader import gguf_source
+from radixflow.runtime.models.footprint import holds_quantized, weight_bytes_estimate
 
 log = logging.getLogger("radixflow.kv")
 GIB = 1 << 30
@@ -147,18 +146,6 @@ def reserve_bytes(total: int) -> int:
     return RESERVE_FIXED + int(RESERVE_SHARE * total)
 
 
-def is_quantized(model_dir: Path, config: ServerConfig) -> bool:
-    """Whether the model's matrices will be held quantized (a GGUF's blocks, AWQ/GPTQ,
-    --quantization int8), before loading it."""
-    if config.dequantize_weights:
-        return False
-    if config.quantization:
-        return True
-    if gguf_source(model_dir) is not None:
-        return True
-    return "quantization_config" in (model_dir / "config.json").read_text()
-
-
 def plan_memory(
     config: ServerConfig,
     model_dir: Path,
@@ -171,7 +158,7 @@ def plan_memory(
     available, total, where = available_memory(device)
     weights = weight_bytes_estimate(model_dir, config, device, dtype)
     half = device.type == "cpu" and (
-        is_quantized(model_dir, config) or weights >= LARGE_MODEL_BYTES
+        holds_quantized(model_dir, config) or weights >= LARGE_MODEL_BYTES
     )
     plan = MemoryPlan(
         available,

@@ -50,6 +50,16 @@ def safetensors_tensors(path: Path) -> list[tuple[str, int]]:
     ]
 
 
+def holds_quantized(model_dir: Path, config: ServerConfig) -> bool:
+    """Whether the model's matrices will be held quantized (a GGUF's blocks, AWQ/GPTQ,
+    --quantization int8), known before loading it."""
+    if config.dequantize_weights:
+        return False
+    if config.quantization or gguf_source(model_dir) is not None:
+        return True
+    return "quantization_config" in json.loads((model_dir / "config.json").read_text())
+
+
 def weight_bytes_estimate(
     model_dir: Path, config: ServerConfig, device: torch.device, dtype: torch.dtype
 ) -> int:
@@ -62,9 +72,7 @@ def weight_bytes_estimate(
     if source is not None:
         return gguf_bytes(source, config.dequantize_weights, item)
     files = weight_files(model_dir)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    quantized_checkpoint = "quantization_config" in hf_config
-    if quantized_checkpoint and not config.dequantize_weights:
+    if holds_quantized(model_dir, config) and config.quantization != "int8":
         return sum(f.stat().st_size for f in files)
     per_element = 1 if config.quantization == "int8" else item
     total = 0

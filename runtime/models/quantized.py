@@ -38,6 +38,7 @@ from torch import nn
 
 from radixflow.kernels import quant
 from radixflow.kernels.cpu import quant as native
+from radixflow.kernels.cpu.native import cpuinfo
 from radixflow.runtime.models.loader import cache_root
 from radixflow.runtime.models.progress import Progress
 from radixflow.runtime.models.weights import CheckpointError, checkpoint_names
@@ -259,18 +260,11 @@ def tuning_key(first: list[QuantLinear]) -> str:
     the source, compiler, flags and CPU flags), torch, the thread count, the candidates and
     the timed projections' shapes and types."""
     lib = native.library()
-    cpu = next((line for line in _cpuinfo() if line.startswith("model name")), "")
+    cpu = next((line for line in cpuinfo() if line.startswith("model name")), "")
     shapes = [(m.in_features, m.out_features, sorted(m.types)) for m in first]
     parts = [cpu, Path(getattr(lib, "_name", "")).name, torch.__version__]
     parts += [str(torch.get_num_threads()), str(DENSE_CANDIDATES), json.dumps(shapes)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def read_tuning(key: str) -> int | None:
