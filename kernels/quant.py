@@ -225,3 +225,35 @@ def from_groups(
     packed = (nib[:, 0] & 15) | ((nib[:, 1] & 15) << 4)  # byte j: element j, j + 64
     data = torch.cat([s.view(torch.uint8), m.view(torch.uint8), packed], dim=1)
     return QuantWeight(Q4G128, data.reshape(n, -1).contiguous(), (n, k))
+
+
+# ---- the integer path's spec (kernels/cpu/qdot.c) ----
+INT8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_1R, Q4_K, Q5_K, Q6_K)
+
+
+def activation_block(qtype: int) -> int:
+    """The block over which the integer path quantizes x against a weight of `qtype`: 256 for
+    the K types (llama.cpp's Q8_K), 32 for the others (its Q8_0)."""
+    return 256 if qtype in (Q4_K, Q5_K, Q6_K) else 32
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) fp32 -> (q (M, K) int8, d (M, K // block) fp32): per block d = max|x| / 127
+    and q = x * (1 / d) rounded half to even (0 where the block is all zeros)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def linear_int8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the integer path computes, in float64: x's 8-bit values (`quantize_activations`)
+    times the dequantized weight. The native path differs from it only by the fp32 roundings of
+    its block scales and sums."""
+    q, d = quantize_activations(x, activation_block(w.qtype))
+    block = x.shape[1] // d.shape[1]
+    xq = (q.double().reshape(len(q), -1, block) * d.double().unsqueeze(-1)).reshape(q.shape)
+    y = xq @ dequantize(w).double().T
+    return (y if bias is None else y + bias.double()).float()

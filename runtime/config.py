@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
+QUANTIZED_ACTIVATIONS = ("int8", "fp32")
 DEFAULT_POOL_TOKENS = 65536  # a pool sized to the machine stops here (or at one full context)
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
@@ -142,6 +143,12 @@ class ServerConfig:
         "channel at load (weight-only); awq or gptq: the checkpoint's own 4-bit method (read "
         "from its quantization_config anyway; naming it checks it); '' = as stored",
     )
+    quantized_activations: str = _knob(
+        "int8",
+        "quantized weights' matmuls: int8 (activations quantized per block to 8 bits and "
+        "multiplied with integer dot products, as llama.cpp does: its accuracy in "
+        "docs/models.md) or fp32 (exact: within 1e-4 of the dequantized reference)",
+    )
     dequantize_weights: bool = _knob(
         False,
         "load a quantized model's weights dequantized to --dtype (the reference path: many "
@@ -250,6 +257,10 @@ class ServerConfig:
                 f"quantization must be one of {QUANTIZATIONS}",
             ),
             (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {CPU_MATMULS}"),
+            (
+                self.quantized_activations in QUANTIZED_ACTIVATIONS,
+                f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}",
+            ),
             (
                 not self.trust_remote_code,
                 "--trust-remote-code is not supported: radixflow never runs model code from a "

@@ -301,9 +301,10 @@ class Engine:
 
     def with_config(self, **changes: Any) -> Engine:
         """A new engine (own KV pool and scheduler) sharing this one's loaded weights.
-        Changes to model, device, dtype or attention_backend need a new Engine."""
+        Changes to model, device, dtype, attention_backend or quantized_activations (set on
+        the shared weights' layers) need a new Engine."""
         fixed = {"model", "model_path", "revision", "chat_template", "device", "dtype"}
-        fixed = (fixed | {"attention_backend"}) & set(changes)
+        fixed = (fixed | {"attention_backend", "quantized_activations"}) & set(changes)
         if fixed:
             raise ValueError(f"with_config cannot change {sorted(fixed)}")
         if self._loaded.tp is not None:

@@ -52,9 +52,12 @@ def chat(text: str) -> str:
 def engine():
     from radixflow.runtime import Engine
 
-    # the exact fp32 pool (auto's is fp16 for a GGUF): tests hold other paths to this one
+    # the exact fp32 pool (auto's is fp16 for a GGUF) and fp32 activations against the
+    # quantized blocks (the default's are int8: tests/runtime/models/test_int8_accuracy.py):
+    # tests hold other paths to this one
     with Engine(
-        model="smollm2", self_check=True, max_total_tokens=16384, kv_cache_dtype="fp32"
+        model="smollm2", self_check=True, max_total_tokens=16384, kv_cache_dtype="fp32",
+        quantized_activations="fp32",
     ) as eng:
         yield eng
 

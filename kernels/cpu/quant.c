@@ -131,6 +131,7 @@ static int64_t fused_split_set = 0;
 #undef MR
 #pragma GCC pop_options
 #include "quant_amx.c" /* many rows on AMX tiles, where the CPU has them */
+#include "qdot.c"      /* few rows with 8-bit integer dot products (AVX2, AVX-VNNI, AVX512-VNNI) */
 #endif
 
 #define SUFFIX _base
@@ -198,12 +199,26 @@ int64_t rf_qset_fused_split(int64_t work) {
     return fused_split_set ? fused_split_set : FUSED_SPLIT;
 }
 
+/* qtype may carry RF_FP32_ACTS (the exact path: fp32 activations) or RF_INT8_ACTS (the
+ * integer path where it applies: qdot.c); with neither, rf_qset_activations's default. */
+#define RF_FP32_ACTS 0x10000
+#define RF_INT8_ACTS 0x20000
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
+    const int acts = qtype & (RF_FP32_ACTS | RF_INT8_ACTS);
+    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
     if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
     if (M == 0 || N == 0) return 0;
     int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
+#ifdef QUANT_X86
+    const int int8 = acts ? acts == RF_INT8_ACTS : rf_qset_activations(-1);
+    if (int8 && isa() >= ISA_AVX2 && idot_type(qtype) && M <= rf_qset_int_rows(-1) &&
+        rf_qset_int_isa(-1) >= 0)
+        return qlinear_int(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+#else
+    (void)acts;
+#endif
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:

@@ -54,8 +54,15 @@ SIGNATURES = {
     "rf_qset_panel_rows": (_C, [_C]),
     "rf_qset_fused_split": (_I, [_I]),
     "rf_qset_amx_rows": (_C, [_C]),
+    "rf_qset_activations": (_C, [_C]),
+    "rf_qset_int_isa": (_C, [_C]),
+    "rf_qset_int_rows": (_C, [_C]),
+    "rf_qquantize_acts": (_C, [_P, _I, _I, _I, _C, _P, _P]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
+INT_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # rf_qset_int_isa's levels 0, 1, 2
+ACTIVATIONS = ("fp32", "int8")  # rf_qset_activations's modes 0, 1
+ACTIVATION_FLAGS = {"fp32": 0x10000, "int8": 0x20000, None: 0}  # or'ed into rf_qlinear's qtype
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -111,6 +118,44 @@ def set_amx_rows(rows: int) -> int:
     return lib.rf_qset_amx_rows(rows)
 
 
+def set_activations(mode: str | None) -> str:
+    """The activations a call without its own choice uses: "int8" (8-bit integer dot products
+    where the type and CPU allow: qdot.c) or "fp32" (exact); None only asks. Read at first use
+    from RADIXFLOW_QUANT_ACTIVATIONS; "fp32" without the library."""
+    lib = library()
+    if lib is None:
+        return "fp32"
+    return ACTIVATIONS[lib.rf_qset_activations(-1 if mode is None else ACTIVATIONS.index(mode))]
+
+
+def set_int_isa(name: str | None) -> str | None:
+    """The integer path's instructions ("avx512-vnni", "avx-vnni", "avx2"; lowered to the best
+    the CPU has), for every caller in this process; None only asks. None where there is no
+    integer path (no library, no AVX2)."""
+    lib = library()
+    level = -1 if lib is None else lib.rf_qset_int_isa(-1 if name is None else INT_ISAS.index(name))
+    return None if level < 0 else INT_ISAS[level]
+
+
+def set_int_rows(rows: int) -> int:
+    """Up to how many rows of x the integer path is taken (above, the fp32 panel and AMX
+    paths): `rows` > 0 sets it, 0 restores the default, -1 only asks."""
+    lib = library()
+    return 0 if lib is None else lib.rf_qset_int_rows(rows)
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x (M, K) fp32 quantized as the integer path does: (q (M, K) int8, d (M, K // block));
+    None without it."""
+    lib = library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    m, k = x.shape
+    q, d = torch.empty((m, k), dtype=torch.int8), torch.empty((m, k // block))
+    status = lib.rf_qquantize_acts(x.data_ptr(), m, x.stride(0), k, block, q.data_ptr(), d.data_ptr())
+    return (q, d) if status == 0 else None
+
+
 def address(name: str) -> int | None:
     """The C function `name`'s address (rf_qlinear, rf_qdequantize, rf_qget_rows), for
     native callers; None without the library."""
@@ -139,9 +184,12 @@ def linear(
     w: QuantWeight,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    activations: str | None = None,
 ) -> torch.Tensor | None:
     """x (M, K) fp32 (rows any stride, inner contiguous) -> (M, N) = x W^T (+ bias), written
-    into `out` (M, N) when given (inner contiguous); None where not taken."""
+    into `out` (M, N) when given (inner contiguous); None where not taken. `activations`:
+    "fp32" (exact), "int8" (integer dot products where they apply) or None (the process
+    default, `set_activations`)."""
     lib = library()
     n, k = w.shape
     if (
@@ -162,7 +210,8 @@ def linear(
     out = torch.empty((m, n)) if out is None else out
     bias = None if bias is None else bias.contiguous()
     status = lib.rf_qlinear(
-        x.data_ptr(), m, x.stride(0), k, w.data.data_ptr(), n, w.row_bytes, w.qtype, _scale(w),
+        x.data_ptr(), m, x.stride(0), k, w.data.data_ptr(), n, w.row_bytes,
+        w.qtype | ACTIVATION_FLAGS[activations], _scale(w),
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -91,6 +91,7 @@ def load_model(
         _quantized_only_on_cpu(device, dtype)
         checkpoint_quant.quantize_int8(model)
         _log_quantized(model, model_dir.name, start)
+        quantized.set_activations(model, config.quantized_activations)
         quantized.choose_dense_rows(model)
     return finish_load(model, config)
 
@@ -133,6 +134,7 @@ def load_quantized(
     quantized.install(model, state)
     model.eval()
     _log_quantized(model, name, start)
+    quantized.set_activations(model, config.quantized_activations)
     quantized.choose_dense_rows(model)
     return finish_load(model, config)
 

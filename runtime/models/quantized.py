@@ -98,6 +98,9 @@ class QuantLinear(nn.Module):
             self.offsets.append(self.offsets[-1] + _rows(part))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.dense_from = 0  # 0: the kernel at any row count (set by choose_dense_rows)
+        # "int8" (8-bit integer dot products: kernels/cpu/qdot.c), "fp32" (exact) or None
+        # (the kernels' process default); set from --quantized-activations by `set_activations`
+        self.activations: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +132,7 @@ class QuantLinear(nn.Module):
             for part, start, end in zip(self.parts, self.offsets, self.offsets[1:]):
                 bias = None if self.bias is None else self.bias[start:end]
                 columns = out[:, start:end] if len(self.parts) > 1 else out
-                _multiply(flat, part, bias, columns)
+                _multiply(flat, part, bias, columns, self.activations)
         return out if flat is x else out.reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self) -> torch.Tensor:
@@ -143,12 +146,15 @@ class QuantLinear(nn.Module):
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _multiply(x: torch.Tensor, part: Part, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def _multiply(
+    x: torch.Tensor, part: Part, bias: torch.Tensor | None, out: torch.Tensor,
+    activations: str | None,
+) -> None:
     """out (a column range of the output, rows at its stride) = x @ part.T + bias."""
     if isinstance(part, torch.Tensor):
         out.copy_(F.linear(x, part, bias))
         return
-    if native.linear(x, part, bias, out=out) is None:
+    if native.linear(x, part, bias, out=out, activations=activations) is None:
         out.copy_(quant.linear(x, part, bias))
 
 
@@ -193,6 +199,13 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(module, QuantEmbedding):
             count(module.weight_q.data)
     return total
+
+
+def set_activations(model: nn.Module, mode: str) -> None:
+    """Every QuantLinear's activations: "int8" (integer dot products where the CPU and the
+    block type allow them) or "fp32" (exact: within 1e-4 of the dequantized reference)."""
+    for m in quant_layers(model):
+        m.activations = mode
 
 
 def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:
@@ -261,7 +274,7 @@ def tuning_key(first: list[QuantLinear]) -> str:
     the timed projections' shapes and types."""
     lib = native.library()
     cpu = next((line for line in cpuinfo() if line.startswith("model name")), "")
-    shapes = [(m.in_features, m.out_features, sorted(m.types)) for m in first]
+    shapes = [(m.in_features, m.out_features, sorted(m.types), m.activations) for m in first]
     parts = [cpu, Path(getattr(lib, "_name", "")).name, torch.__version__]
     parts += [str(torch.get_num_threads()), str(DENSE_CANDIDATES), json.dumps(shapes)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]

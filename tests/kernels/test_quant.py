@@ -34,6 +34,16 @@ PANEL_ROWS = {"avx512": 16, "avx2": 12}  # quant.c's measured thresholds
 needs_lib = pytest.mark.skipif(LIB is None, reason="native quant kernels unavailable")
 
 
+@pytest.fixture(autouse=True)
+def exact_activations() -> Iterator[None]:
+    """The fp32-activation paths these tests hold to the reference at 1e-4 (the default
+    integer path has its own tests: test_qdot.py)."""
+    before = native_quant.set_activations(None)
+    native_quant.set_activations("fp32")
+    yield
+    native_quant.set_activations(before)
+
+
 def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
     """A (n, k) weight of `qtype`: quantized from Gaussian values where `quantize` makes the
     type; K-quants as random bytes with small finite fp16 d and dmin (every scale, min and

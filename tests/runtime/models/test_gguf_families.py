@@ -159,7 +159,8 @@ def _fp32_reference(family: str, path: Path, source: nn.Module) -> CausalLM:
 def _serve(path: Path, written: dict[str, str]) -> tuple[list[list[int]], ...]:
     """Load `path` through the Engine, check its blocks, and run it: -> (greedy output ids of
     PROMPTS, prefill logits through the kernel, the same dequantized into sgemm, decode)."""
-    exact = {"max_total_tokens": 256, "kv_cache_dtype": "fp32"}  # auto's fp16 pool rounds KV
+    # auto's fp16 pool rounds KV, the default int8 activations round x
+    exact = {"max_total_tokens": 256, "kv_cache_dtype": "fp32", "quantized_activations": "fp32"}
     with Engine(model_path=str(path), device="cpu", **exact) as engine:
         model = engine._loaded.model
         check_types(model, written)

@@ -41,6 +41,7 @@ def prompts(count: int) -> list[str]:
 SERVER = dict(  # conftest's module-scoped `runtime`
     max_total_tokens=8192,
     kv_cache_dtype="fp32",  # logprobs held to the session engine's exact pool
+    quantized_activations="fp32",  # and its exact matmuls
     self_check=True,
     api_key=API_KEY,
     max_message_bytes=MAX_MESSAGE_BYTES,

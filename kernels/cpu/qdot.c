@@ -1,0 +1,435 @@
+/* A few rows of x against quantized weight blocks with 8-bit integer dot products: x is
+ * quantized per block to int8 (once a call), each weight block's integers are multiplied
+ * against it in int32 (AVX512-VNNI or AVX-VNNI `vpdpbusd`, AVX2 `maddubs`), and only a block's
+ * sum is scaled in fp32. Included by quant.c on x86 (rf_qlinear takes it for up to
+ * rf_qset_int_rows rows unless rf_qset_activations(0) asks for the exact fp32 path).
+ *
+ * Why: a 7B decode step is bound by the instructions a weight costs, not only by the bytes.
+ * The fp32 path converts every weight to a float and spends one fma on it per row of x; here
+ * 32 weights cost one unpack and one integer dot (plus one fp32 fma a block), as in llama.cpp's
+ * Q8 paths, so the step runs at the memory's speed.
+ *
+ * Numerics: the activations as the reference `radixflow.kernels.quant.quantize_activations`
+ * rounds them (blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, as llama.cpp's Q8_0; blocks of 256
+ * with sums over 16 for Q4_K/Q5_K/Q6_K, as its Q8_K): d = max|x| / 127, q = round-to-even(x / d).
+ * Every integer product and sum is exact, so the result is the exact product of the
+ * dequantized weights with the dequantized activations up to the fp32 roundings of the block
+ * scales and the sums (`linear_int8_reference` in the reference, held to ~1e-5 relative).
+ *
+ * ISA: this file includes itself three times, for AVX512-VNNI (256-bit `vpdpbusd` from
+ * AVX512-VL), AVX-VNNI and plain AVX2 (`maddubs` + `madd`, exact here: a pair of weight x
+ * activation products stays below 2^15 for every type, |w| <= 128 after Q8_0's sign trick). */
+#ifndef QDOT_BODY
+#define QDOT_BODY
+
+enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
+#define IDOT_ROWS 4  /* rows of x a weight block is unpacked for */
+#define INT_ROWS 64 /* rows of x up to which rf_qlinear takes this path by default */
+static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8 */
+static int idot_level = -1;
+static int int_rows_set = 0;
+
+/* x quantized: per row, K int8 (q), then per block d (float) and, for 32-blocks, s = d * sum(q)
+ * (floats), for 256-blocks the sums of q over 16 (int16) */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *bs;
+    int64_t K, nb; /* nb blocks a row */
+} acts_t;
+
+static inline int idot_type(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1 ||
+           qtype == Q8_0 || qtype == Q4_1R || qtype == Q4_K || qtype == Q5_K ||
+           qtype == Q6_K;
+}
+static inline int idot_block(int qtype) {
+    return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#define IDOT_SUFFIX _vnni512
+#define IDOT(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#include __FILE__
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+#define IDOT_SUFFIX _avxvnni
+#define IDOT(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#include __FILE__
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define IDOT_SUFFIX _avx2i
+#define IDOT(acc, u, s)                                                                    \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#include __FILE__
+#pragma GCC pop_options
+
+static int idot_best(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw"))
+        return IDOT_VNNI512;
+    unsigned a, b, c, d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4))) return IDOT_AVXVNNI;
+    return IDOT_AVX2;
+}
+
+/* The integer path's instructions: 2 AVX512-VNNI, 1 AVX-VNNI, 0 AVX2 maddubs; `want` >= 0
+ * lowers it (to the best the CPU has at most), a negative want only asks. -1 where the CPU
+ * has no AVX2 (then the path is never taken). */
+int rf_qset_int_isa(int want) {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return -1;
+    int best = idot_best();
+    if (want >= 0 || idot_level < 0) idot_level = want >= 0 && want < best ? want : best;
+    return idot_level;
+}
+
+/* Activations: 1 int8 (the default, RADIXFLOW_QUANT_ACTIVATIONS=int8), 0 fp32 (exact,
+ * RADIXFLOW_QUANT_ACTIVATIONS=fp32); a negative mode only asks. */
+int rf_qset_activations(int mode) {
+    if (mode >= 0) act_mode = mode ? 1 : 0;
+    if (act_mode < 0) {
+        const char *env = getenv("RADIXFLOW_QUANT_ACTIVATIONS");
+        act_mode = env && !strcmp(env, "fp32") ? 0 : 1;
+    }
+    return act_mode;
+}
+
+/* Rows of x up to which rf_qlinear takes the integer path: rows > 0 sets it, 0 restores
+ * INT_ROWS, a negative value only asks. */
+int rf_qset_int_rows(int rows) {
+    if (rows >= 0) int_rows_set = rows;
+    return int_rows_set ? int_rows_set : INT_ROWS;
+}
+
+static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
+                       int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
+                       int64_t ldo, int threads) {
+    switch (rf_qset_int_isa(-1)) {
+    case IDOT_VNNI512:
+        return qlinear_int_vnni512(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    case IDOT_AVXVNNI:
+        return qlinear_int_avxvnni(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    default:
+        return qlinear_int_avx2i(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    }
+}
+
+/* x quantized as the integer path does (for the tests: q (M, K) int8, d (M, K / block) fp32);
+ * block 32 or 256 */
+int rf_qquantize_acts(const float *x, int64_t M, int64_t ldx, int64_t K, int block, int8_t *q,
+                      float *d) {
+    if ((block != 32 && block != 256) || K % block || rf_qset_int_isa(-1) < 0) return -1;
+    acts_t a;
+    if (acts_avx2i(x, M, ldx, K, block, &a)) return -2;
+    memcpy(q, a.q, (size_t)(M * K));
+    memcpy(d, a.d, (size_t)(M * (K / block)) * sizeof(float));
+    free(a.q);
+    return 0;
+}
+
+#else /* ---- QDOT_BODY: one ISA's copy, under its #pragma GCC target ---- */
+#define IF(name) CAT(name, IDOT_SUFFIX)
+
+static inline float IF(hsum)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float IF(h16)(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+/* x (M rows) -> a: blocks of `block`; one allocation (a->q) holds all of it */
+static int IF(acts)(const float *x, int64_t M, int64_t ldx, int64_t K, int block, acts_t *a) {
+    const int64_t nb = K / block, n32 = K / 32;
+    size_t bytes = (size_t)(M * K) + (size_t)(M * nb) * 8 + (size_t)(M * (K / 16)) * 2 + 64;
+    uint8_t *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!mem) return -2;
+    a->q = (int8_t *)mem, a->K = K, a->nb = nb;
+    a->d = (float *)(mem + M * K);
+    a->s = a->d + M * nb;
+    a->bs = (int16_t *)(a->s + M * nb);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + b * block;
+            __m256 mx = _mm256_setzero_ps();
+            for (int c = 0; c < block; c += 8)
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + c)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float d = _mm_cvtss_f32(h) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+            const __m256 vid = _mm256_set1_ps(id);
+            int8_t *q = a->q + m * K + b * block;
+            int32_t total = 0;
+            for (int c = 0; c < block; c += 32) {
+                __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + c), vid));
+                __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + c + 8), vid));
+                __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + c + 16), vid));
+                __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + c + 24), vid));
+                /* sums over 16: elements c .. c + 15 are i0, i1; c + 16 .. c + 31 are i2, i3 */
+                __m256i s01 = _mm256_add_epi32(i0, i1), s23 = _mm256_add_epi32(i2, i3);
+                __m128i t01 = _mm_add_epi32(_mm256_castsi256_si128(s01),
+                                            _mm256_extracti128_si256(s01, 1));
+                __m128i t23 = _mm_add_epi32(_mm256_castsi256_si128(s23),
+                                            _mm256_extracti128_si256(s23, 1));
+                __m128i t = _mm_hadd_epi32(t01, t23); /* (a, a, b, b) partial pairs */
+                t = _mm_hadd_epi32(t, t);             /* sum c..c+15, sum c+16..c+31 */
+                const int32_t lo = _mm_cvtsi128_si32(t), hi = _mm_extract_epi32(t, 1);
+                total += lo + hi;
+                if (block == 256) {
+                    a->bs[m * (K / 16) + (b * block + c) / 16] = (int16_t)lo;
+                    a->bs[m * (K / 16) + (b * block + c) / 16 + 1] = (int16_t)hi;
+                }
+                __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                               _mm256_packs_epi32(i2, i3));
+                _mm256_storeu_si256((__m256i *)(q + c), _mm256_permutevar8x32_epi32(p, order));
+            }
+            a->d[m * nb + b] = d;
+            a->s[m * nb + b] = d * (float)total;
+        }
+    (void)n32;
+    return 0;
+}
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
+static inline __m256i IF(nibbles)(const uint8_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+/* 32 bits -> byte j = 16 where bit j is set, else 0 */
+static inline __m256i IF(bit4)(const uint8_t *p) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    const __m256i bits = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(p)), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bits), bits);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_1R: one weight row against mr rows of x (32-blocks).
+ * A block contributes (d dx) (q . qx) + off * s, s = dx sum(qx), off = -8 d (Q4_0), -16 d
+ * (Q5_0), m (Q4_1, Q5_1), 0 (Q8_0). */
+static inline __attribute__((always_inline)) void IF(row32)(
+    const int mr, const uint8_t *p, int64_t row_bytes, int qtype, const acts_t *a,
+    float s[IDOT_ROWS]) {
+    __m256 acc[IDOT_ROWS];
+    float c[IDOT_ROWS];
+    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps(), c[m] = 0.f;
+    const int64_t nb = a->nb, K = a->K;
+    const int64_t bytes = qtype == Q4_1R ? 0 : row_bytes / nb;
+    const uint8_t *blk = p;
+    for (int64_t b = 0; b < nb; b++, blk += bytes) {
+        float d, off;
+        __m256i u, sx = _mm256_setzero_si256();
+        if (qtype == Q4_1R) {
+            d = IF(h16)(p + 2 * b), off = IF(h16)(p + 2 * (nb + b));
+            u = IF(nibbles)(p + 4 * nb + 16 * b);
+            if ((b & 3) == 0) __builtin_prefetch(p + 4 * nb + 16 * b + 1024);
+        } else {
+            __builtin_prefetch(blk + 1024);
+            d = IF(h16)(blk);
+            switch (qtype) {
+            case Q4_0: off = -8.f * d, u = IF(nibbles)(blk + 2); break;
+            case Q4_1: off = IF(h16)(blk + 2), u = IF(nibbles)(blk + 4); break;
+            case Q5_0:
+                off = -16.f * d;
+                u = _mm256_or_si256(IF(nibbles)(blk + 6), IF(bit4)(blk + 2));
+                break;
+            case Q5_1:
+                off = IF(h16)(blk + 2);
+                u = _mm256_or_si256(IF(nibbles)(blk + 8), IF(bit4)(blk + 4));
+                break;
+            default: /* Q8_0: |w| against x with w's signs */
+                off = 0.f, sx = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u = _mm256_sign_epi8(sx, sx);
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            __m256i qx = _mm256_loadu_si256((const __m256i *)(a->q + m * K + 32 * b));
+            if (qtype == Q8_0) qx = _mm256_sign_epi8(qx, sx);
+            __m256i dot = IDOT(_mm256_setzero_si256(), u, qx);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                     _mm256_set1_ps(d * a->d[m * nb + b]), acc[m]);
+            c[m] += off * a->s[m * nb + b];
+        }
+    }
+    for (int m = 0; m < mr; m++) s[m] = IF(hsum)(acc[m]) + c[m];
+}
+
+/* Q4_K, Q5_K: a 256-block is 8 sub-blocks of 32, each (d sc_j) q - dmin mn_j. Per block and
+ * row, sum_j sc_j (q . qx)_j in int32 lanes (maddubs, then madd by sc_j broadcast), and
+ * sum_j mn_j sum(qx)_j from x's sums over 16 (pairs added, madd by the mins): two fp32 fmas. */
+static inline __attribute__((always_inline)) void IF(row_qk)(
+    const int mr, const uint8_t *p, int qtype, const acts_t *a, float s[IDOT_ROWS]) {
+    __m256 acc[IDOT_ROWS];
+    __m128 accm[IDOT_ROWS];
+    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps(), accm[m] = _mm_setzero_ps();
+    const int five = qtype == Q5_K, stride = five ? 176 : 144;
+    const int64_t nb = a->nb, K = a->K;
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++, p += stride) {
+        __builtin_prefetch(p + 1024), __builtin_prefetch(p + 1024 + 64);
+        __builtin_prefetch(p + 1024 + 128);
+        const float d = IF(h16)(p), dmin = IF(h16)(p + 2);
+        /* the 12 bytes of 6-bit scales and mins as words a, b, c: sc 0..3 = a & 63, mn 0..3 =
+         * b & 63, sc 4..7 = low nibbles of c with a's top 2 bits above, mn 4..7 = high
+         * nibbles of c with b's top 2 bits */
+        const uint32_t wa = rd32(p + 4), wb = rd32(p + 8), wc = rd32(p + 12);
+        const uint64_t scales = (uint64_t)(wa & 0x3f3f3f3f) |
+            (uint64_t)((wc & 0x0f0f0f0f) | ((wa >> 2) & 0x30303030)) << 32;
+        const uint64_t mins = (uint64_t)(wb & 0x3f3f3f3f) |
+            (uint64_t)(((wc >> 4) & 0x0f0f0f0f) | ((wb >> 2) & 0x30303030)) << 32;
+        const __m256i sc16 = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins));
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+        __m256i isum[IDOT_ROWS];
+        for (int m = 0; m < mr; m++) isum[m] = _mm256_setzero_si256();
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)qh) : low;
+        for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4));
+            }
+            /* sc_{2j} and sc_{2j+1} in every int16 lane: bytes 4j, 4j + 1 and 4j + 2, 4j + 3 */
+            const __m256i sl = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0404 * j)));
+            const __m256i sh = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0302 + 0x0404 * j)));
+            for (int m = 0; m < mr; m++) {
+                const int8_t *qx = a->q + m * K + 256 * b + 64 * j;
+                __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)qx));
+                __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(qx + 32)));
+                isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(pl, sl),
+                                                                     _mm256_madd_epi16(ph, sh)));
+            }
+        }
+        for (int m = 0; m < mr; m++) {
+            const int16_t *bs = a->bs + m * (K / 16) + 16 * b;
+            const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs),
+                                                 _mm_loadu_si128((const __m128i *)(bs + 8)));
+            const float dx = a->d[m * nb + b];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * dx), acc[m]);
+            accm[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn16, pairs)),
+                                   _mm_set1_ps(dmin * dx), accm[m]);
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        __m128 t = _mm_add_ps(accm[m], _mm_movehl_ps(accm[m], accm[m]));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        s[m] = IF(hsum)(acc[m]) - _mm_cvtss_f32(t);
+    }
+}
+
+/* Q6_K: 16 groups of 16 weights, each (d sc_g) (q - 32) with q in 0..63: sum_g sc_g (q . qx)_g
+ * - 32 sum_g sc_g sum(qx)_g, all in int32 lanes, one fp32 fma a block */
+static inline __attribute__((always_inline)) void IF(row_q6k)(
+    const int mr, const uint8_t *p, const acts_t *a, float s[IDOT_ROWS]) {
+    __m256 acc[IDOT_ROWS];
+    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
+    const int64_t nb = a->nb, K = a->K;
+    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++, p += 210) {
+        __builtin_prefetch(p + 1024), __builtin_prefetch(p + 1024 + 64);
+        __builtin_prefetch(p + 1024 + 128), __builtin_prefetch(p + 1024 + 192);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(p + 192));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const float d = IF(h16)(p + 208);
+        __m256i isum[IDOT_ROWS];
+        for (int m = 0; m < mr; m++) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(a->bs + m * (K / 16) + 16 * b));
+            isum[m] = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5); /* 32 sum sc_g sum_g */
+            isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), isum[m]);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(q0, low),
+                                   _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(q1, low), _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+            for (int i = 0; i < 4; i++) {
+                /* sc_g in lanes 0-7, sc_{g+1} in 8-15, g = 8h + 2i */
+                const int g = 8 * h + 2 * i;
+                const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                    sc8, _mm_set_epi64x(0x0101010101010101ll * (g + 1), 0x0101010101010101ll * g)));
+                for (int m = 0; m < mr; m++) {
+                    const int8_t *qx = a->q + m * K + 256 * b + 128 * h + 32 * i;
+                    __m256i pr = _mm256_maddubs_epi16(v[i], _mm256_loadu_si256((const __m256i *)qx));
+                    isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pr, scale));
+                }
+            }
+        }
+        for (int m = 0; m < mr; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]),
+                                     _mm256_set1_ps(d * a->d[m * nb + b]), acc[m]);
+    }
+    for (int m = 0; m < mr; m++) s[m] = IF(hsum)(acc[m]);
+}
+
+static inline __attribute__((always_inline)) void IF(row)(
+    const int mr, const uint8_t *p, int64_t row_bytes, int qtype, const acts_t *a,
+    float s[IDOT_ROWS]) {
+    if (qtype == Q4_K || qtype == Q5_K)
+        IF(row_qk)(mr, p, qtype, a, s);
+    else if (qtype == Q6_K)
+        IF(row_q6k)(mr, p, a, s);
+    else
+        IF(row32)(mr, p, row_bytes, qtype, a, s);
+}
+
+static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
+                           const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                           const float *bias, float *out, int64_t ldo, int threads) {
+    acts_t a;
+    if (IF(acts)(x, M, ldx, K, idot_block(qtype), &a)) return -2;
+    /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same
+     * measure of work; dynamic chunks of rows, so a preempted thread's share goes elsewhere */
+    int64_t work = N * K * (M + 4) / 4 / (fused_split_set ? fused_split_set : FUSED_SPLIT) + 1;
+    int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
+    int64_t chunk = N / (8 * nt) > 4 ? N / (8 * nt) : 4;
+    int64_t chunks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t ci = 0; ci < chunks; ci++) {
+        float s[IDOT_ROWS];
+        const int64_t end = (ci + 1) * chunk < N ? (ci + 1) * chunk : N;
+        for (int64_t r = ci * chunk; r < end; r++) {
+            const uint8_t *p = w + r * row_bytes;
+            for (int64_t m0 = 0; m0 < M; m0 += IDOT_ROWS) {
+                acts_t am = a; /* rows m0 .. of x */
+                am.q = a.q + m0 * K, am.d = a.d + m0 * a.nb, am.s = a.s + m0 * a.nb;
+                am.bs = a.bs + m0 * (K / 16);
+                const int64_t mr = M - m0 < IDOT_ROWS ? M - m0 : IDOT_ROWS;
+                switch (mr) {
+                case 4: IF(row)(4, p, row_bytes, qtype, &am, s); break;
+                case 3: IF(row)(3, p, row_bytes, qtype, &am, s); break;
+                case 2: IF(row)(2, p, row_bytes, qtype, &am, s); break;
+                default: IF(row)(1, p, row_bytes, qtype, &am, s); break;
+                }
+                for (int64_t m = 0; m < mr; m++)
+                    out[(m0 + m) * ldo + r] = bias ? s[m] + bias[r] : s[m];
+            }
+        }
+    }
+    free(a.q);
+    return 0;
+}
+
+#undef IF
+#undef IDOT_SUFFIX
+#undef IDOT
+#endif

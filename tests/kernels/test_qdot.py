@@ -1,0 +1,111 @@
+"""The integer path (kernels/cpu/qdot.c: x quantized to 8 bits per block, integer dot
+products against the weight's blocks): its activations bit for bit the reference's
+(`quant.quantize_activations`), its products within fp32 rounding of the reference's exact
+product of those activations with the dequantized weight (`quant.linear_int8`), on every
+instruction set the CPU has (AVX512-VNNI, AVX-VNNI, AVX2 maddubs), for every type it takes
+and every row count it is taken for; and which calls take it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_quant import LIB, random_weight
+
+from radixflow.kernels import quant
+from radixflow.kernels.cpu import quant as native_quant
+
+pytestmark = pytest.mark.skipif(
+    LIB is None or native_quant.set_int_isa(None) is None, reason="no integer path here"
+)
+BEST = None if LIB is None else native_quant.set_int_isa(None)
+
+
+@pytest.fixture(params=["avx512-vnni", "avx-vnni", "avx2"])
+def int_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction set the CPU has (a better one than it has is skipped), restored."""
+    if native_quant.set_int_isa(request.param) != request.param:
+        native_quant.set_int_isa(BEST)
+        pytest.skip(f"no {request.param} on this CPU")
+    yield request.param
+    native_quant.set_int_isa(BEST)
+
+
+def assert_int8_near(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32 rounding of block scales and sums: 2e-6 of the largest value. The integer path
+    is about 5e-3 from the fp32 path on these weights, so a wrong scale, offset or lane
+    order cannot pass."""
+    err = (got - expected).abs().max().item()
+    assert err <= 2e-6 * expected.abs().max().item(), f"{err=}"
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_are_the_references_bit_for_bit(block: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn((5, 4 * 256 + 7), generator=gen)[:, 3 : 3 + 4 * 256]  # a row stride
+    x[1, :block] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 5] = 1e4  # one large value: the rest of its block rounds to small integers
+    x[3, :block] = torch.arange(block) / 2 - 3.25  # ties to even where x / d lands on .5
+    got = native_quant.quantize_activations(x, block)
+    expected = quant.quantize_activations(x, block)
+    assert got is not None
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert expected[0].abs().max() == 127 and expected[1][1, 0] == 0
+
+
+@pytest.mark.parametrize("qtype", quant.INT8_TYPES, ids=quant.NAMES.get)
+def test_integer_path_matches_reference(int_isa: str, qtype: int) -> None:
+    """Row counts 1-4 (one pass of the weight) and past 4 (groups of 4 and a remainder), at
+    a row stride, with a bias, into a wider out; partial thread chunks (37 rows)."""
+    n, k = 37, 3 * 256
+    w = random_weight(qtype, n, k, seed=qtype)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 2, 3, 4, 5, 9, 64):
+        x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+        expected = quant.linear_int8(x, w)
+        assert_int8_near(native_quant.linear(x, w, activations="int8"), expected)
+        out = torch.full((m, n + 5), float("nan"))
+        native_quant.linear(x, w, bias, out=out[:, 2 : 2 + n], activations="int8")
+        assert_int8_near(out[:, 2 : 2 + n], expected + bias)
+        assert out[:, :2].isnan().all() and out[:, 2 + n :].isnan().all()
+
+
+def test_which_calls_take_it() -> None:
+    """int8 for the integer types up to set_int_rows' rows; fp32 activations, a type it does
+    not take (F16) and more rows take the fp32 paths, which the reference's exact product
+    shows (the two differ by ~1e-3)."""
+    w = random_weight(quant.Q4_K, 64, 512)
+    x = torch.randn((8, 512), generator=torch.Generator().manual_seed(3))
+    exact, int8 = quant.linear(x, w), quant.linear_int8(x, w)
+    assert (exact - int8).abs().max() > 1e-3
+    assert_int8_near(native_quant.linear(x, w, activations="int8"), int8)
+    fp32 = native_quant.linear(x, w, activations="fp32")
+    assert (fp32 - exact).abs().max() <= 1e-4 * exact.abs().max()
+    default = native_quant.set_int_rows(0)
+    try:
+        assert native_quant.set_int_rows(4) == 4
+        above = native_quant.linear(x, w, activations="int8")
+        assert (above - exact).abs().max() <= 1e-4 * exact.abs().max(), "8 rows > 4: fp32"
+        assert_int8_near(native_quant.linear(x[:4], w, activations="int8"), int8[:4])
+    finally:
+        native_quant.set_int_rows(default)
+    f16 = random_weight(quant.F16, 16, 64)
+    y = torch.randn((2, 64), generator=torch.Generator().manual_seed(4))
+    got = native_quant.linear(y, f16, activations="int8")
+    assert (got - quant.linear(y, f16)).abs().max() <= 1e-4 * got.abs().max()
+
+
+def test_process_default_is_int8_and_settable() -> None:
+    before = native_quant.set_activations(None)
+    try:
+        assert native_quant.set_activations("fp32") == "fp32"
+        w = random_weight(quant.Q8_0, 16, 256)
+        x = torch.randn((1, 256), generator=torch.Generator().manual_seed(5))
+        exact = quant.linear(x, w)
+        assert (native_quant.linear(x, w) - exact).abs().max() <= 1e-4 * exact.abs().max()
+        assert native_quant.set_activations("int8") == "int8"
+        assert_int8_near(native_quant.linear(x, w), quant.linear_int8(x, w))
+    finally:
+        native_quant.set_activations(before)
