@@ -248,11 +248,14 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return q.reshape(m, k), d
 
 
-def linear_int8(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the integer path computes, in float64: x's 8-bit values (`quantize_activations`)
-    times the dequantized weight. The native path differs from it only by the fp32 roundings of
-    its block scales and sums."""
-    q, d = quantize_activations(x, activation_block(w.qtype))
+def linear_int8(
+    x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, block: int = 0
+) -> torch.Tensor:
+    """What the integer paths compute, in float64: x's 8-bit values (`quantize_activations`
+    over `block`, by default `activation_block`'s; the AMX-INT8 path's is 32 for every type)
+    times the dequantized weight. The native paths differ from it only by the fp32 roundings
+    of their block scales and sums."""
+    q, d = quantize_activations(x, block or activation_block(w.qtype))
     block = x.shape[1] // d.shape[1]
     xq = (q.double().reshape(len(q), -1, block) * d.double().unsqueeze(-1)).reshape(q.shape)
     y = xq @ dequantize(w).double().T

@@ -149,6 +149,11 @@ class ServerConfig:
         "multiplied with integer dot products, as llama.cpp does: its accuracy in "
         "docs/models.md) or fp32 (exact: within 1e-4 of the dequantized reference)",
     )
+    disable_mmap: bool = _knob(
+        False,
+        "GGUF: read the weights into process memory instead of mapping the file (llama.cpp's "
+        "--no-mmap): slower to start and a private copy, but pages the kernel never drops",
+    )
     dequantize_weights: bool = _knob(
         False,
         "load a quantized model's weights dequantized to --dtype (the reference path: many "

@@ -24,7 +24,15 @@
 
 enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define IDOT_ROWS 4  /* rows of x a weight block is unpacked for */
-#define INT_ROWS 64 /* rows of x up to which rf_qlinear takes this path by default */
+/* rows of x up to which rf_qlinear takes this path by default. Against the fp32 paths
+ * (decode path, then panel path from 16 rows) the K types (an fp32 fma a 256-block and row)
+ * gain up to 16 rows (1.2-1.4x at 16, 2.3-3x at 4), the 32-block types (one a block) only to
+ * 4 (1.0x at 4, 0.65x at 16); where AMX-INT8 takes the rows above, its tiles win from 8 rows
+ * for the K types (at 8: 1.1x this path's time) and 5 for the others (2 threads of this
+ * project's Xeon, 7B shapes: 4096 x 22016 Q4_K, 11008 x 4096 Q6_K, 4096 x 11008 Q4_0) */
+#define INT_ROWS_K 16
+#define INT_ROWS_K_AMX 8
+#define INT_ROWS_32 4
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8 */
 static int idot_level = -1;
 static int int_rows_set = 0;
@@ -98,11 +106,16 @@ int rf_qset_activations(int mode) {
     return act_mode;
 }
 
-/* Rows of x up to which rf_qlinear takes the integer path: rows > 0 sets it, 0 restores
- * INT_ROWS, a negative value only asks. */
+/* Rows of x up to which rf_qlinear takes the integer path, for every type: rows > 0 sets it,
+ * 0 restores the per-type defaults (then returns the K types'), a negative value only asks. */
 int rf_qset_int_rows(int rows) {
     if (rows >= 0) int_rows_set = rows;
-    return int_rows_set ? int_rows_set : INT_ROWS;
+    return int_rows_set ? int_rows_set : INT_ROWS_K;
+}
+
+static inline int int_rows_for(int qtype, int amx_int) {
+    if (int_rows_set) return int_rows_set;
+    return idot_block(qtype) != 256 ? INT_ROWS_32 : amx_int ? INT_ROWS_K_AMX : INT_ROWS_K;
 }
 
 static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,

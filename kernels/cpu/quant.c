@@ -132,6 +132,7 @@ static int64_t fused_split_set = 0;
 #pragma GCC pop_options
 #include "quant_amx.c" /* many rows on AMX tiles, where the CPU has them */
 #include "qdot.c"      /* few rows with 8-bit integer dot products (AVX2, AVX-VNNI, AVX512-VNNI) */
+#include "qdot_amx.c"  /* many rows with 8-bit integer tile products (AMX-INT8) */
 #endif
 
 #define SUFFIX _base
@@ -213,9 +214,19 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
 #ifdef QUANT_X86
     const int int8 = acts ? acts == RF_INT8_ACTS : rf_qset_activations(-1);
-    if (int8 && isa() >= ISA_AVX2 && idot_type(qtype) && M <= rf_qset_int_rows(-1) &&
+    /* int8 mode (not exact): from rf_qset_amx_bf16_rows rows bf16 tile products alone; up to
+     * the integer dot products' row limit those; between, int8 tile products (AMX-INT8) */
+    if (int8 && isa() == ISA_AVX512 && rf_qset_amx_rows(-1) > 0 && K % 32 == 0 &&
+        M >= rf_qset_amx_bf16_rows(-1))
+        return qlinear_amx(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads,
+                           0);
+    const int amx_int = int8 && isa() == ISA_AVX512 && amxi_type(qtype) &&
+                        rf_qset_amx_int_rows(-1) > 0;
+    if (int8 && isa() >= ISA_AVX2 && idot_type(qtype) && M <= int_rows_for(qtype, amx_int) &&
         rf_qset_int_isa(-1) >= 0)
         return qlinear_int(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    if (amx_int && M >= rf_qset_amx_int_rows(-1))
+        return qlinear_amx_int(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
 #else
     (void)acts;
 #endif
@@ -224,7 +235,7 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     case ISA_AVX512:
         if (M >= rf_qset_amx_rows(-1) && rf_qset_amx_rows(-1) > 0 && K % 32 == 0)
             return qlinear_amx(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo,
-                               threads);
+                               threads, 1);
         if (M >= rows)
             return qlinear_rows_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out,
                                        ldo, threads);

@@ -57,6 +57,8 @@ SIGNATURES = {
     "rf_qset_activations": (_C, [_C]),
     "rf_qset_int_isa": (_C, [_C]),
     "rf_qset_int_rows": (_C, [_C]),
+    "rf_qset_amx_int_rows": (_C, [_C]),
+    "rf_qset_amx_bf16_rows": (_C, [_C]),
     "rf_qquantize_acts": (_C, [_P, _I, _I, _I, _C, _P, _P]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
@@ -142,6 +144,27 @@ def set_int_rows(rows: int) -> int:
     paths): `rows` > 0 sets it, 0 restores the default, -1 only asks."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_int_rows(rows)
+
+
+def set_amx_int_rows(rows: int) -> int:
+    """From how many rows of x an int8 call takes AMX-INT8 tile products (qdot_amx.c) instead
+    of the one-row integer path: `rows` > 0 sets it (a huge value turns it off), 0 restores
+    the default, -1 only asks; 0 where AMX-INT8 is not usable or the ISA is lowered."""
+    lib = library()
+    if lib is None or isa() != "avx512":
+        return 0
+    return lib.rf_qset_amx_int_rows(rows)
+
+
+def set_amx_bf16_rows(rows: int) -> int:
+    """From how many rows of x an int8-mode call takes one bf16 x bf16 pass on AMX tiles (x
+    and the dequantized weight rounded to bf16, fp32 sums: quant_amx.c) instead of int8 tile
+    products: `rows` > 0 sets it (a huge value turns it off), 0 restores the default, -1 only
+    asks; 0 where AMX-BF16 is not usable or the ISA is lowered."""
+    lib = library()
+    if lib is None or isa() != "avx512":
+        return 0
+    return lib.rf_qset_amx_bf16_rows(rows)
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -89,7 +89,7 @@ static inline void amx_split(__m512 a, __m512 b, __m512i *hi, __m512i *lo) {
 
 /* rows m of x (m < M; zeros up to Mp) -> hi, lo (Mp, K) bf16 */
 static void amx_split_x(const float *x, int64_t M, int64_t ldx, int64_t K, int64_t Mp,
-                        uint16_t *hi, uint16_t *lo, int nt) {
+                        uint16_t *hi, uint16_t *lo, int exact, int nt) {
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && M * K >= 65536)
     for (int64_t m = 0; m < Mp; m++)
         for (int64_t k = 0; k < K; k += 32) {
@@ -98,7 +98,7 @@ static void amx_split_x(const float *x, int64_t M, int64_t ldx, int64_t K, int64
                 amx_split(_mm512_loadu_ps(x + m * ldx + k), _mm512_loadu_ps(x + m * ldx + k + 16),
                           &h, &l);
             _mm512_storeu_si512(hi + m * K + k, h);
-            _mm512_storeu_si512(lo + m * K + k, l);
+            if (exact) _mm512_storeu_si512(lo + m * K + k, l);
         }
 }
 
@@ -106,7 +106,7 @@ static void amx_split_x(const float *x, int64_t M, int64_t ldx, int64_t K, int64
  * features, 1 KiB each); rows: a 16 x K fp32 scratch, tmp 2 x 256 uint32 */
 static void amx_pack(int qtype, const uint8_t *w, int64_t row_bytes, const float *scale,
                      int64_t n0, int64_t N, int64_t K, float *rows, uint32_t *tmp, uint32_t *bh,
-                     uint32_t *bl) {
+                     uint32_t *bl, int exact) {
     for (int r = 0; r < 16; r++) {
         if (n0 + r < N)
             deq_row_avx512(qtype, w + (n0 + r) * row_bytes, K, scale ? scale[n0 + r] : 0.f,
@@ -124,7 +124,8 @@ static void amx_pack(int qtype, const uint8_t *w, int64_t row_bytes, const float
         }
         /* tile row j = pair j of every feature: the 16 x 16 transposition of 32-bit lanes */
         transpose_avx512((const float *)tmp, 16, (float *)(bh + k / 32 * 256), 16);
-        transpose_avx512((const float *)(tmp + 256), 16, (float *)(bl + k / 32 * 256), 16);
+        if (exact)
+            transpose_avx512((const float *)(tmp + 256), 16, (float *)(bl + k / 32 * 256), 16);
     }
 }
 
@@ -132,7 +133,7 @@ static void amx_pack(int qtype, const uint8_t *w, int64_t row_bytes, const float
  * against panel j of the pair at bh, bl (bf16x3): four accumulators, each product's
  * operand tiles loaded once for the two it feeds (10 loads for 12 tile products a step of 32) */
 static inline void amx_block(const uint16_t *ah, const uint16_t *al, int64_t K,
-                             const uint32_t *bh, const uint32_t *bl, float c[4][256]) {
+                             const uint32_t *bh, const uint32_t *bl, int exact, float c[4][256]) {
     const int64_t sa = K * 2, panel = 8 * K; /* an A tile row's stride (bytes); a panel */
     _tile_zero(0);
     _tile_zero(1);
@@ -147,6 +148,7 @@ static inline void amx_block(const uint16_t *ah, const uint16_t *al, int64_t K,
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        if (!exact) continue; /* bf16 x bf16 alone */
         _tile_loadd(6, bl + s * 256, 64);
         _tile_loadd(7, bl + panel + s * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -170,14 +172,14 @@ static inline void amx_block(const uint16_t *ah, const uint16_t *al, int64_t K,
 
 static int qlinear_amx(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                        int64_t N, int64_t row_bytes, int qtype, const float *scale,
-                       const float *bias, float *out, int64_t ldo, int threads) {
+                       const float *bias, float *out, int64_t ldo, int threads, int exact) {
     const int64_t Mp = (M + 31) / 32 * 32, chunks = (N + AMX_NC - 1) / AMX_NC;
     int nt = threads < 1 ? 1 : threads;
     if (chunks < nt) nt = (int)chunks;
     uint16_t *xh = aligned_alloc(64, (size_t)(Mp * K) * 2 * sizeof(uint16_t));
     if (!xh) return -2;
     uint16_t *xl = xh + Mp * K;
-    amx_split_x(x, M, ldx, K, Mp, xh, xl, nt);
+    amx_split_x(x, M, ldx, K, Mp, xh, xl, exact, nt);
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -195,10 +197,11 @@ static int qlinear_amx(const float *x, int64_t M, int64_t ldx, int64_t K, const 
             const int panels = (int)((N - c0 < AMX_NC ? N - c0 : AMX_NC) + 15) / 16;
             for (int p = 0; p < (panels + 1) / 2 * 2; p++) /* a pair's second past N: zeros */
                 amx_pack(qtype, w, row_bytes, scale, c0 + 16 * p, N, K, rows, tmp,
-                         bh + p * 8 * K, bl + p * 8 * K);
+                         bh + p * 8 * K, bl + p * 8 * K, exact);
             for (int64_t m0 = 0; m0 < Mp; m0 += 32)
                 for (int p = 0; p < panels; p += 2) { /* a pair of panels: 32 features */
-                    amx_block(xh + m0 * K, xl + m0 * K, K, bh + p * 8 * K, bl + p * 8 * K, c);
+                    amx_block(xh + m0 * K, xl + m0 * K, K, bh + p * 8 * K, bl + p * 8 * K, exact,
+                              c);
                     for (int q = 0; q < 2 && p + q < panels; q++) {
                         const int64_t n0 = c0 + 16 * (p + q), nr = N - n0 < 16 ? N - n0 : 16;
                         const __mmask16 keep = (__mmask16)((1u << nr) - 1);

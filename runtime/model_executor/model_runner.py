@@ -67,7 +67,7 @@ def load_model(
     ops = pick_ops(config.attention_backend, device, model_config)
     source = gguf_source(model_dir)
     if source is not None and not config.dequantize_weights:
-        state = gguf_file.read_state(source, hf_config)
+        state = gguf_file.read_state(source, hf_config, mapped=not config.disable_mmap)
         return load_quantized(source.name, model_config, ops, state, config, device, dtype)
     start = time.perf_counter()
     state: dict[str, torch.Tensor] = {}

@@ -14,14 +14,18 @@ not the 540 MB of its fp32 form, and a 4.4 GB 7B file fits a 24 GiB machine.
   two changes llama.cpp's converter makes are undone as transformers' GGUF loader undoes
   them: q and k rows of the `llama` architecture are permuted for its rope layout (undone on
   whole rows, so on quantized rows too), and Gemma's norm weights are stored plus one.
-- The tensors are copied out of the memory map into process memory: a page-cache mapping is
-  cheaper to start but its pages can be dropped under pressure and read back in the middle
-  of a decode step.
+- Matrices used as stored are mapped from the file, as llama.cpp does (`map_file`): no copy,
+  pages shared with the page cache (and with another server on the same file), 2 MiB
+  mappings where the kernel keeps the file in large folios. Under memory pressure the kernel
+  may drop clean file pages and read them back mid-step; --disable-mmap reads every tensor
+  into process memory instead. Projections joined at load (q, k, v; gate, up) and converted
+  tensors are read, not mapped, so no range is held twice.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,27 +180,37 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
+def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Weight]:
     """Hugging Face name -> weight: a QuantWeight for each matrix of a kept type, else an
-    fp32 tensor. Raises ValueError for a tensor it cannot place."""
+    fp32 tensor. With `mapped`, a matrix used as the file stores it is a view of the file's
+    memory map (`map_file`); the rest (matrices joined or permuted at load, vectors, types
+    without a kernel) are read into process memory. Raises ValueError for a file whose table
+    does not fit the file (`check_table`) or a tensor it cannot place, before any weight is
+    read."""
     layout = Layout(path)
     arch = architecture(layout)
     fused = "phi3" in arch
     names = _name_map(arch, hf_config.num_hidden_layers, fused)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    check_table(layout, path)
     state: dict[str, Weight] = {}
     costs: dict[str, int] = {}
     total = sum(_tensor_bytes(t)[1] for t in layout.tensors)
+    whole = map_file(path) if mapped else None
+    verb = "mapping" if mapped else "reading"
     with (
         path.open("rb", buffering=0) as file,
-        Progress(f"reading the weights of {path.name}", total, "B") as bar,
+        Progress(f"{verb} the weights of {path.name}", total, "B") as bar,
     ):
         for tensor in layout.tensors:
             rows, size = _tensor_bytes(tensor)
-            data = np.empty(size, dtype=np.uint8)  # read, not mapped: the file's pages are
-            file.seek(tensor.offset)  # not held in this process beside the copy
-            if file.readinto(memoryview(data)) != size:
-                raise ValueError(f"{path}: tensor {tensor.name} is cut short (the file ends)")
+            if whole is not None and _used_as_stored(tensor, names, arch):
+                data = whole[tensor.offset : tensor.offset + size]
+            else:
+                data = np.empty(size, dtype=np.uint8)  # read, not mapped: joined, permuted
+                file.seek(tensor.offset)  # or converted, so the copy is what is kept
+                if file.readinto(memoryview(data)) != size:
+                    raise ValueError(f"{path}: tensor {tensor.name} is cut short (the file ends)")
             bar.update(size)
             _read_tensor(
                 tensor, data.reshape(rows, -1), path, names, arch, (heads, kv_heads), state, costs
@@ -207,6 +221,53 @@ def read_state(path: Path, hf_config: Any) -> dict[str, Weight]:
             path.name, type_name, cost / 2**20,
         )  # fmt: skip
     return state
+
+
+def map_file(path: Path) -> np.ndarray:
+    """The whole file as a uint8 array over a private (copy-on-write) memory map: its pages
+    are the page cache's, shared with every process mapping the file, and where the kernel
+    holds the file in large folios (ext4, XFS on Linux 6.x) they are mapped 2 MiB at a time."""
+    with path.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return np.frombuffer(mapping, dtype=np.uint8)
+
+
+def _used_as_stored(tensor: TensorInfo, names: dict[str, str], arch: str) -> bool:
+    """Whether `_read_tensor` keeps the tensor's bytes as they are: a matrix of a kept type
+    that is not one of the projections joined at load (SPLIT) nor a permuted q or k."""
+    base = tensor.name.rpartition(".")[0]
+    if len(tensor.dims) != 2 or tensor.qtype not in KEPT or base not in names:
+        return False
+    if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
+        return False
+    return not names[base].endswith(SPLIT)
+
+
+def check_table(layout: Layout, path: Path) -> None:
+    """Every tensor's type known, its row length whole blocks of its type, and its bytes
+    inside the file: checked before anything is read or allocated, so a damaged or truncated
+    file is refused with the tensor's name instead of failing (or faulting) mid-load."""
+    file_size = path.stat().st_size
+    for tensor in layout.tensors:
+        try:
+            qtype = T(tensor.qtype)
+            block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"{path}: tensor {tensor.name} has type {tensor.qtype}, which this GGUF reader "
+                "does not know"
+            ) from None
+        if not tensor.dims or any(d <= 0 for d in tensor.dims) or tensor.dims[0] % block:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} ({qtype.name}) has shape {list(tensor.dims)}: "
+                f"its rows must be whole blocks of {block}"
+            )
+        _, size = _tensor_bytes(tensor)
+        if tensor.offset + size > file_size:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} is cut short: its {size:,} bytes at offset "
+                f"{tensor.offset:,} run past the end of the file ({file_size:,} bytes)"
+            )
 
 
 def _tensor_bytes(tensor: TensorInfo) -> tuple[int, int]:

@@ -23,6 +23,9 @@ reference's (the weights dequantized, then F.linear) up to the order of the addi
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import hashlib
 import json
 import logging
@@ -48,28 +51,65 @@ Part = quant.QuantWeight | torch.Tensor  # a quantized row range, or an fp32 (ro
 DENSE_CANDIDATES = (16, 32, 64, 128, 256)  # row counts from which dequantize + sgemm may win
 
 
+def _joinable(a: Part, b: Part) -> bool:
+    return (
+        isinstance(a, quant.QuantWeight)
+        and isinstance(b, quant.QuantWeight)
+        and a.qtype == b.qtype
+        and a.scale is None
+        and b.scale is None
+        and a.shape[1] == b.shape[1]
+    )
+
+
 def _join(parts: Sequence[Part]) -> list[Part]:
-    """Neighbouring row ranges of one block type (and no per-row scale) joined into one."""
-    out: list[Part] = []
+    """Neighbouring row ranges of one block type (and no per-row scale) joined into one, each
+    group copied once into memory advised for huge pages (`huge_empty`); fp32 neighbours
+    concatenated."""
+    groups: list[list[Part]] = []
     for part in parts:
-        last = out[-1] if out else None
-        if (
-            isinstance(part, quant.QuantWeight)
-            and isinstance(last, quant.QuantWeight)
-            and last.qtype == part.qtype
-            and last.scale is None
-            and part.scale is None
-            and last.shape[1] == part.shape[1]
-        ):
-            data = torch.cat([last.data, part.data])
-            out[-1] = quant.QuantWeight(
-                part.qtype, data, (last.shape[0] + part.shape[0], part.shape[1])
-            )
-        elif isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor):
-            out[-1] = torch.cat([last, part])
+        last = groups[-1][-1] if groups else None
+        both_fp32 = isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor)
+        if last is not None and (_joinable(last, part) or both_fp32):
+            groups[-1].append(part)
         else:
-            out.append(part)
+            groups.append([part])
+    out: list[Part] = []
+    for group in groups:
+        if len(group) == 1:
+            out.append(group[0])
+        elif isinstance(group[0], torch.Tensor):
+            out.append(torch.cat(group))
+        else:
+            rows = sum(p.shape[0] for p in group)
+            data = huge_empty((rows, group[0].data.shape[1]))
+            torch.cat([p.data for p in group], out=data)
+            out.append(quant.QuantWeight(group[0].qtype, data, (rows, group[0].shape[1])))
     return out
+
+
+MADV_HUGEPAGE, HUGE = 14, 2 << 20
+
+
+def huge_empty(shape: tuple[int, int]) -> torch.Tensor:
+    """An uninitialised uint8 tensor whose 2 MiB-aligned interior is advised for transparent
+    huge pages before anything touches it (Linux; elsewhere, or where madvise refuses, plain
+    pages). A decode step streams every weight: with 4 KiB pages the TLB misses on the way
+    cost a 7B Q4_K step about 15% (measured on this project's Xeon)."""
+    data = torch.empty(shape, dtype=torch.uint8)
+    start = (data.data_ptr() + HUGE - 1) // HUGE * HUGE
+    end = (data.data_ptr() + data.numel()) // HUGE * HUGE
+    if end > start and _libc() is not None:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+    return data
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
 
 
 def _for_kernel(part: Part) -> Part:

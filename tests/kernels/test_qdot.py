@@ -55,13 +55,14 @@ def test_activations_are_the_references_bit_for_bit(block: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", quant.INT8_TYPES, ids=quant.NAMES.get)
-def test_integer_path_matches_reference(int_isa: str, qtype: int) -> None:
+def test_integer_path_matches_reference(int_isa: str, qtype: int, no_amx: None) -> None:
     """Row counts 1-4 (one pass of the weight) and past 4 (groups of 4 and a remainder), at
     a row stride, with a bias, into a wider out; partial thread chunks (37 rows)."""
     n, k = 37, 3 * 256
     w = random_weight(qtype, n, k, seed=qtype)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
+    native_quant.set_int_rows(64)  # every row count below through this path
     for m in (1, 2, 3, 4, 5, 9, 64):
         x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
         expected = quant.linear_int8(x, w)
@@ -72,7 +73,18 @@ def test_integer_path_matches_reference(int_isa: str, qtype: int) -> None:
         assert out[:, :2].isnan().all() and out[:, 2 + n :].isnan().all()
 
 
-def test_which_calls_take_it() -> None:
+@pytest.fixture
+def no_amx() -> Iterator[None]:
+    """The AMX paths of int8 mode off (where the CPU has them), restored after."""
+    native_quant.set_amx_int_rows(1 << 30)
+    native_quant.set_amx_bf16_rows(1 << 30)
+    yield
+    native_quant.set_amx_int_rows(0)
+    native_quant.set_amx_bf16_rows(0)
+    native_quant.set_int_rows(0)
+
+
+def test_which_calls_take_it(no_amx: None) -> None:
     """int8 for the integer types up to set_int_rows' rows; fp32 activations, a type it does
     not take (F16) and more rows take the fp32 paths, which the reference's exact product
     shows (the two differ by ~1e-3)."""
@@ -109,3 +121,49 @@ def test_process_default_is_int8_and_settable() -> None:
         assert_int8_near(native_quant.linear(x, w), quant.linear_int8(x, w))
     finally:
         native_quant.set_activations(before)
+
+
+@pytest.fixture
+def amx_int8() -> Iterator[None]:
+    """Every int8 call of 2 rows or more through AMX-INT8 tiles (skipped without them)."""
+    if native_quant.set_amx_int_rows(1) != 1:
+        native_quant.set_amx_int_rows(0)
+        pytest.skip("no AMX-INT8 here (or an ISA below AVX-512)")
+    native_quant.set_amx_bf16_rows(1 << 30)
+    native_quant.set_int_rows(1)
+    yield
+    native_quant.set_amx_int_rows(0)
+    native_quant.set_amx_bf16_rows(0)
+    native_quant.set_int_rows(0)
+
+
+@pytest.mark.parametrize("qtype", quant.INT8_TYPES, ids=quant.NAMES.get)
+def test_amx_int8_path_matches_reference(amx_int8: None, qtype: int) -> None:
+    """x per 32 for every type (`linear_int8(block=32)`): partial 16-row blocks of x, a
+    partial panel of 16 features (37), an odd count of 32-chunks (K = 96 for the 32-block
+    types: the pairs' last one alone), a bias, x at a row stride."""
+    gen = torch.Generator().manual_seed(7)
+    ks = (3 * 256,) if quant.activation_block(qtype) == 256 else (3 * 256, 96)
+    for k in ks:
+        w = random_weight(qtype, 37, k, seed=qtype)
+        bias = torch.randn(37, generator=gen)
+        for m in (2, 5, 16, 17, 40):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+            expected = quant.linear_int8(x, w, bias, block=32)
+            assert_int8_near(native_quant.linear(x, w, bias, activations="int8"), expected)
+
+
+def test_amx_bf16_pass_from_its_threshold() -> None:
+    """int8 mode from set_amx_bf16_rows' rows: one bf16 x bf16 tile pass, within bf16's
+    rounding of the exact product (about 1e-3 of the largest value), not the int8 result."""
+    if native_quant.set_amx_bf16_rows(-1) == 0:
+        pytest.skip("no AMX-BF16 here (or an ISA below AVX-512)")
+    assert native_quant.set_amx_bf16_rows(-1) == 64  # the measured default
+    w = random_weight(quant.Q4_K, 40, 512)
+    x = torch.randn((64, 512), generator=torch.Generator().manual_seed(8))
+    exact = quant.linear(x, w)
+    got = native_quant.linear(x, w, activations="int8")
+    err = (got - exact).abs().max().item()
+    assert 1e-6 < err <= 4e-3 * exact.abs().max().item(), f"{err=}"
+    below = native_quant.linear(x[:63], w, activations="int8")
+    assert_int8_near(below, quant.linear_int8(x[:63], w, block=32))
