@@ -3,6 +3,8 @@ file dequantised to fp32 (`--dequantize-weights`, the old path), and llama.cpp o
 file; decode speed at 1 and N streams, resident memory and load time.
 
     python -m radixflow.bench.quantized speed [--model smollm2] [--streams 1,16] [--repeats 3]
+    python -m radixflow.bench.quantized prefill [--model smollm2] [--length 512]
+    python -m radixflow.bench.quantized load [--model smollm2]
     python -m radixflow.bench.quantized memory [--model smollm2]
     python -m radixflow.bench.quantized write-big DIR   # the 7B-class synthetic GGUFs
 
@@ -12,6 +14,10 @@ file; decode speed at 1 and N streams, resident memory and load time.
   then N distinct ones at once; systems interleaved round by round, `--repeats` rounds, the
   median reported with the ratio to llama.cpp. llama.cpp runs in its own venv
   (`BENCH_LLAMA_CPP_PYTHON`, bench/peers.py) with the same thread count.
+- prefill: one prompt of `--length` token ids (drawn at random, new ones each round, so no
+  prefix cache helps) and one generated token; tokens/s of prompt, median of the rounds.
+- load: a fresh process per system and round loads the file and generates one token; the
+  seconds from its start, median (page cache warm for both: the file was read before).
 - memory: each variant loads in a fresh process, which reports its resident set (VmRSS)
   with the KV pool allocated, and its load time.
 - write-big: Llama-shaped GGUFs (hidden 4096, 32 layers, 32 heads, 11008 FFN, SmolLM2's
@@ -162,6 +168,85 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch  # noqa: PLC0415 (torch: only when the bench runs)
+
+    from radixflow.bench.workloads import Call  # noqa: PLC0415 (torch: only when the bench runs)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    systems = _systems(args.model, torch.get_num_threads(), args.systems.split(","), args.pool)
+    print(json.dumps({"cpu": _cpu(), "load_average": os.getloadavg()}), flush=True)
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    try:
+        for round_ in range(args.repeats + 1):  # round 0 warms every system up
+            rng = np.random.default_rng(round_)
+            prompt = tuple(int(t) for t in rng.integers(1000, 30000, args.length))
+            for name, system in systems.items():
+                wait_until_quiet(settle_s=0.5)
+                system.start_workload()
+                start = time.perf_counter()
+                system.run_round([Call(prompt, 1)])
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        for system in systems.values():
+            system.close()
+    rows = []
+    for name, t in times.items():
+        row = {"prompt_tokens": args.length, "system": name,
+               "prompt_tokens_per_s": round(args.length / statistics.median(t), 1),
+               "runs_s": [round(x, 2) for x in t]}  # fmt: skip
+        if "llama.cpp" in times and times["llama.cpp"]:
+            row["vs_llama.cpp"] = round(statistics.median(times["llama.cpp"]) / statistics.median(t), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+LLAMA_LOAD_CHILD = """
+import sys, time
+start = time.perf_counter()
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]),
+                      verbose=False)
+llm("Hello", max_tokens=1, temperature=0)
+print(time.perf_counter() - start)
+"""
+
+
+def load(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Seconds from a fresh process's start to its first generated token, per system."""
+    from radixflow.runtime.models.loader import BUILTIN_MODELS, builtin_gguf  # noqa: PLC0415 (torch: only when the bench runs)
+
+    gguf = str(builtin_gguf(args.model) if args.model in BUILTIN_MODELS else args.model)
+    threads = args.threads or os.cpu_count() or 1
+    commands = {
+        "radixflow": [sys.executable, "-c", MEMORY_CHILD, args.model, str(args.pool), "{}"],
+    }
+    if os.environ.get("BENCH_LLAMA_CPP_PYTHON"):
+        commands["llama.cpp"] = [
+            os.environ["BENCH_LLAMA_CPP_PYTHON"], "-c", LLAMA_LOAD_CHILD, gguf, str(args.pool),
+            str(threads),
+        ]  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.repeats):
+        for name, command in commands.items():
+            wait_until_quiet(settle_s=0.5)
+            start = time.perf_counter()
+            subprocess.run(command, capture_output=True, text=True, check=True)
+            times[name].append(time.perf_counter() - start)
+    rows = []
+    for name, t in times.items():
+        row = {"system": name, "load_to_first_token_s": round(statistics.median(t), 2),
+               "runs_s": [round(x, 2) for x in t]}  # fmt: skip
+        if times.get("llama.cpp"):
+            row["vs_llama.cpp"] = round(statistics.median(t) / statistics.median(times["llama.cpp"]), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def _cpu() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -308,6 +393,18 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--systems", default="radixflow,radixflow-fp32,llama.cpp")
     s.add_argument("--pool", type=int, default=8192, help="KV tokens (llama.cpp: n_ctx)")
     s.add_argument("--conditions", default="quiet", help="quiet and/or hog (one busy process)")
+    p = sub.add_parser("prefill")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--systems", default="radixflow,llama.cpp")
+    p.add_argument("--pool", type=int, default=2048, help="KV tokens (llama.cpp: n_ctx)")
+    ld = sub.add_parser("load")
+    ld.add_argument("--model", default="smollm2")
+    ld.add_argument("--repeats", type=int, default=3)
+    ld.add_argument("--threads", type=int, default=0)
+    ld.add_argument("--pool", type=int, default=2048)
     m = sub.add_parser("memory")
     m.add_argument("--model", default="smollm2")
     m.add_argument("--pool", type=int, default=2048)
@@ -318,6 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "speed":
         speed(args)
+    elif args.command == "prefill":
+        prefill(args)
+    elif args.command == "load":
+        load(args)
     elif args.command == "memory":
         memory(args)
     else:

@@ -185,6 +185,9 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
     free(acts.q);
     int nt = threads < 1 ? 1 : threads;
     if (panels < nt) nt = (int)panels;
+    /* runs of panels a thread, several a thread (a preempted thread's share goes to the
+     * others), in order within a run so the next panel is prefetched for its own thread */
+    const int64_t chunk = panels / (4 * nt) > 1 ? panels / (4 * nt) : 1;
     const int has_min = qtype == Q4_1 || qtype == Q4_1R || qtype == Q5_1 || qtype == Q4_K ||
                         qtype == Q5_K;
     int failed = 0;
@@ -196,10 +199,17 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
         float res[256] __attribute__((aligned(64)));
         if (!wq) failed = 1;
         else amxi_configure(kc);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t pn = 0; pn < panels; pn++) {
             if (!wq) continue;
             const int64_t n0 = 16 * pn, nr = N - n0 < 16 ? N - n0 : 16;
+            /* the next panel's weight bytes, prefetched a few lines per chunk pair while
+             * this one computes (the unpack alone would leave memory idle meanwhile) */
+            const uint8_t *next = w + (n0 + 16) * row_bytes;
+            const int64_t next_lines = pn + 1 < panels ? (N - n0 - 16 < 16 ? N - n0 - 16 : 16) *
+                                                             row_bytes / 64 : 0;
+            const int64_t per_step = next_lines / ((nc + 1) / 2 * (Mp / 16)) + 1;
+            int64_t fetched = 0;
             for (int r = 0; r < 16; r++) {
                 if (r < nr) {
                     amxi_unpack(qtype, w + (n0 + r) * row_bytes, row_bytes, K, wq + r * K,
@@ -213,12 +223,15 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
             const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
             for (int64_t mb = 0; mb < Mp / 16; mb++) {
                 __m512 acc[16];
+#pragma GCC unroll 16
                 for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
                 const int8_t *xbm = xb + mb * 16 * K;
                 /* two chunks at a time on their own tiles (C 0/3, A 1/4, B 2/5), so one's
                  * product runs while the other's result is scaled */
                 for (int64_t ci = 0; ci < nc; ci += 2) {
                     const int two = ci + 1 < nc ? 2 : 1;
+                    for (int64_t f = 0; f < per_step && fetched < next_lines; f++, fetched++)
+                        _mm_prefetch((const char *)(next + 64 * fetched), _MM_HINT_T1);
                     _tile_zero(0);
                     _tile_loadd(1, wq + ci * kc, K);
                     _tile_loadd(2, xbm + ci * kc * 16, 64);
@@ -236,6 +249,7 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
                         const __m512 dx = _mm512_loadu_ps(dt + (mb * nb + b) * 16);
                         const __m512 sx = _mm512_loadu_ps(st + (mb * nb + b) * 16);
                         const int32_t *ch = c + 256 * h;
+#pragma GCC unroll 16
                         for (int r = 0; r < 16; r++) {
                             const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(ch + 16 * r));
                             const __m512 ad = _mm512_mul_ps(dx, _mm512_set1_ps(wa[r * nc + ci + h]));
@@ -246,6 +260,7 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
                     }
                 }
                 /* acc[r][i]: feature n0 + r, row 16 mb + i -> out[row][n0 ..] */
+#pragma GCC unroll 16
                 for (int r = 0; r < 16; r++) _mm512_store_ps(res + 16 * r, acc[r]);
                 transpose_avx512(res, 16, res, 16);
                 for (int i = 0; i < 16 && 16 * mb + i < M; i++)

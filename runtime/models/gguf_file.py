@@ -25,6 +25,7 @@ not the 540 MB of its fp32 form, and a 4.4 GB 7B file fits a 24 GiB machine.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ SCALARS = {
     12: "d",
 }
 STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,18 @@ class Layout:
     the tensor table, so the tokenizer's arrays are skipped over."""
 
     def __init__(self, path: Path) -> None:
+        self._path, self._size = path, path.stat().st_size
         with path.open("rb") as f:
             self._data, self._pos, self._base, self._file = f.read(1 << 20), 0, 0, f
             magic, version = self._read("<4sI")
             if magic != b"GGUF" or version < 2:
                 raise ValueError(f"{path}: not a GGUF file of version 2 or later")
             n_tensors, n_kv = self._read("<QQ")
+            if n_tensors > self._size or n_kv > self._size:  # each takes bytes of the file
+                raise ValueError(
+                    f"{path}: its header counts {n_tensors:,} tensors and {n_kv:,} metadata "
+                    "entries, more than the file could hold (a damaged file)"
+                )
             self.fields: dict[str, Any] = {}
             for _ in range(n_kv):
                 key = self._string()
@@ -110,6 +118,8 @@ class Layout:
             for _ in range(n_tensors):
                 name = self._string()
                 (n_dims,) = self._read("<I")
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise ValueError(f"{path}: tensor {name} has {n_dims} dimensions")
                 dims = self._read(f"<{n_dims}Q")
                 qtype, offset = self._read("<IQ")
                 tensors.append((name, tuple(dims), qtype, offset))
@@ -118,6 +128,10 @@ class Layout:
         self.tensors = [TensorInfo(n, d, q, start + o) for n, d, q, o in tensors]
 
     def _need(self, n: int) -> None:
+        if self._base + self._pos + n > self._size:
+            raise ValueError(
+                f"{self._path}: its metadata runs past the end of the file (cut short or damaged)"
+            )
         if self._pos + n > len(self._data):
             rest = self._data[self._pos :]
             self._base += self._pos
@@ -155,7 +169,9 @@ class Layout:
 
 
 def architecture(layout: Layout) -> str:
-    return str(layout.fields["general.architecture"])
+    if not isinstance(layout.fields.get("general.architecture"), str):
+        raise ValueError("the GGUF file names no general.architecture")
+    return layout.fields["general.architecture"]
 
 
 def _name_map(arch_name: str, num_layers: int, fused: bool) -> dict[str, str]:
@@ -273,7 +289,7 @@ def check_table(layout: Layout, path: Path) -> None:
 def _tensor_bytes(tensor: TensorInfo) -> tuple[int, int]:
     """(rows, bytes) of a tensor's data in the file."""
     block, size = gguf.GGML_QUANT_SIZES[T(tensor.qtype)]
-    rows = int(np.prod(tensor.dims[1:], dtype=np.int64)) if len(tensor.dims) > 1 else 1
+    rows = math.prod(tensor.dims[1:])  # Python ints: a damaged shape cannot wrap around
     return rows, rows * (tensor.dims[0] // block * size)
 
 
