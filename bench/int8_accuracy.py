@@ -15,8 +15,9 @@ position, its most likely next token and its log-prob of the reference's token:
   integer dot products, then the exact fp32 paths).
 - llama.cpp (`BENCH_LLAMA_CPP_PYTHON`): its logits for every position, one token a batch.
 
-Reported: top-1 agreement with the reference (the share of positions whose most likely token
-is the reference's) and the mean and max absolute log-prob error on the reference's tokens.
+Reported over the generated positions: top-1 agreement with the reference (the share of
+positions whose most likely token is the reference's) and the mean and max absolute log-prob
+error on the reference's tokens.
 """
 
 from __future__ import annotations
@@ -67,10 +68,16 @@ def forced(engine: Any, sequences: list[list[int]]) -> list[list[tuple[int, floa
     return out
 
 
-def compare(reference: list[list[tuple[int, float]]], other: list[list[tuple[int, float]]]) -> dict[str, float]:
+def compare(
+    reference: list[list[tuple[int, float]]],
+    other: list[list[tuple[int, float]]],
+    starts: list[int],
+) -> dict[str, float]:
+    """Over the generated positions only (from `starts`[i], the prompt's length - 1: the
+    prompts' own tokens are improbable text whose log-probs say little)."""
     same, total, errors = 0, 0, []
-    for want, got in zip(reference, other):
-        for (top_a, lp_a), (top_b, lp_b) in zip(want, got):
+    for want, got, start in zip(reference, other, starts):
+        for (top_a, lp_a), (top_b, lp_b) in zip(want[start:], got[start:]):
             same += top_a == top_b
             total += 1
             errors.append(abs(lp_a - lp_b))
@@ -98,8 +105,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
     with Engine(**common, quantized_activations="fp32") as exact:
         runs = exact.generate(prompts, params)
-        sequences = [exact.tokenizer.encode(p, add_special_tokens=False) + r["output_ids"]
-                     for p, r in zip(prompts, runs)]  # fmt: skip
+        encoded = [exact.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        sequences = [ids + r["output_ids"] for ids, r in zip(encoded, runs)]
+        starts = [len(ids) - 1 for ids in encoded]
         reference = forced(exact, sequences)
     results = {}
     with Engine(**common, quantized_activations="int8", chunked_prefill_size=1) as engine:
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         results["llama.cpp"] = [[tuple(e) for e in seq] for seq in json.loads(out.stdout)]
     rows = []
     for name, got in results.items():
-        row = {"system": name, **compare(reference, got)}
+        row = {"system": name, **compare(reference, got, starts)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
