@@ -145,7 +145,8 @@ def _projection(p: Any) -> tuple[list[torch.Tensor], list[int], int, int] | None
     meta: list[int] = []
     for w in parts:
         tensors += [w.data, w.scale if w.scale is not None else torch.empty(0)]
-        flag = native_quant.ACTIVATION_FLAGS[getattr(p, "activations", None)]
+        mode = native_quant.activations_for(w.qtype, getattr(p, "activations", None))
+        flag = native_quant.ACTIVATION_FLAGS[mode]
         meta += [w.qtype | flag, w.shape[0], w.row_bytes]
     dense_from = getattr(p, "dense_from", 0)
     return tensors, meta, 1, (dense_from - 1) if dense_from else 1 << 62

@@ -25,11 +25,13 @@
 enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define IDOT_ROWS 4  /* rows of x a weight block is unpacked for */
 /* rows of x up to which rf_qlinear takes this path by default. Against the fp32 paths
- * (decode path, then panel path from 16 rows) the K types (an fp32 fma a 256-block and row)
- * gain up to 16 rows (1.2-1.4x at 16, 2.3-3x at 4), the 32-block types (one a block) only to
- * 4 (1.0x at 4, 0.65x at 16); where AMX-INT8 takes the rows above, its tiles win from 8 rows
- * for the K types (at 8: 1.1x this path's time) and 5 for the others (2 threads of this
- * project's Xeon, 7B shapes: 4096 x 22016 Q4_K, 11008 x 4096 Q6_K, 4096 x 11008 Q4_0) */
+ * (fused rows, then panel path from 16 rows) the K types (an fp32 fma a 256-block and row)
+ * gain up to 16 rows (1.2-1.4x at 16, 2.5-3x at one row); where AMX-INT8 takes the rows
+ * above, its tiles win from 8 rows (at 8: 1.1x this path's time). The 32-block types pay an
+ * fp32 fma a block: level with the fused fp32 kernels at one to four rows (Q4_0 0.83 against
+ * 0.81 ms, Q8_0 0.74 against 0.75, Q4_1 1.40 against 0.78 on Q4_1R: 4096 x 4096, 2 threads
+ * of this project's Xeon), 0.65x at 16; so int8 mode takes them here up to 4 rows, and
+ * --quantized-activations auto keeps them on the exact paths. */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_32 4

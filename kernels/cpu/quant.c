@@ -5,7 +5,11 @@
  * loop, through rf_qlinear's address. The torch reference is kernels/quant.py; the tests
  * (tests/kernels/test_quant.py) hold every path here to it.
  *
- * Numerics: activations stay fp32. A weight block is dequantized to fp32 with the reference's
+ * Modes: rf_qlinear's default (rf_qset_activations) or a flag in its qtype (RF_FP32_ACTS,
+ * RF_INT8_ACTS) picks int8 activations (qdot.c's integer dot products, qdot_amx.c's AMX-INT8
+ * tiles, quant_amx.c's single bf16 pass; see rf_qlinear) or the exact fp32 paths below.
+ *
+ * Numerics (exact mode): activations stay fp32. A weight block is dequantized to fp32 with the reference's
  * roundings (compiled with -ffp-contract=off, so d * q + m is a product then a sum, as numpy's;
  * rf_qdequantize equals the reference bit for bit), then accumulated in fp32 with fma.
  *

@@ -4,8 +4,16 @@ reference they are tested against, and what a caller falls back to where these r
 
 Why: decode reads every weight once a token, so a 4-bit weight read in place (0.56-0.63 bytes
 a weight) instead of its fp32 copy (4 bytes) streams about 80 MB a token for SmolLM2-135M
-instead of 540 MB. The kernel dequantizes each weight row once per call into L1-resident fp32
-and dots it against every row of x (activations stay fp32).
+instead of 540 MB.
+
+Two modes, per call (`linear(..., activations=)`) or the process default (`set_activations`,
+RADIXFLOW_QUANT_ACTIVATIONS):
+- "int8" (default): x quantized per block to 8 bits and multiplied with integer dot products
+  (qdot.c: AVX512-VNNI / AVX-VNNI / AVX2 maddubs, `set_int_isa`) up to `set_int_rows`' rows,
+  AMX-INT8 tile products above (qdot_amx.c, `set_amx_int_rows`), one bf16 tile pass from
+  `set_amx_bf16_rows` (64) rows; the reference is `quant.linear_int8`. On a 7B Q4_K weight at
+  one row (2 threads of this project's Xeon) the integer path ran 2.5-3x the fp32 one.
+- "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;
   `RADIXFLOW_QUANT_ISA=avx2|scalar` (read by the C library at first use) or `set_isa` lower
@@ -65,6 +73,17 @@ ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 INT_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # rf_qset_int_isa's levels 0, 1, 2
 ACTIVATIONS = ("fp32", "int8")  # rf_qset_activations's modes 0, 1
 ACTIVATION_FLAGS = {"fp32": 0x10000, "int8": 0x20000, None: 0}  # or'ed into rf_qlinear's qtype
+K_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K
+
+
+def activations_for(qtype: int, mode: str | None) -> str | None:
+    """The activations a call on a `qtype` weight uses under a model's mode: "auto" is int8
+    for the K types (their one-row integer path runs 2.5-3x the fp32 one) and fp32 for the
+    rest (their one-row integer path measured no faster, and exact keeps a small model's
+    replies: docs/models.md); "int8" and "fp32" as named; None the process default."""
+    if mode == "auto":
+        return "int8" if qtype in K_TYPES else "fp32"
+    return mode
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -211,8 +230,8 @@ def linear(
 ) -> torch.Tensor | None:
     """x (M, K) fp32 (rows any stride, inner contiguous) -> (M, N) = x W^T (+ bias), written
     into `out` (M, N) when given (inner contiguous); None where not taken. `activations`:
-    "fp32" (exact), "int8" (integer dot products where they apply) or None (the process
-    default, `set_activations`)."""
+    "fp32" (exact), "int8" (integer dot products where they apply), "auto"
+    (`activations_for`) or None (the process default, `set_activations`)."""
     lib = library()
     n, k = w.shape
     if (
@@ -234,7 +253,7 @@ def linear(
     bias = None if bias is None else bias.contiguous()
     status = lib.rf_qlinear(
         x.data_ptr(), m, x.stride(0), k, w.data.data_ptr(), n, w.row_bytes,
-        w.qtype | ACTIVATION_FLAGS[activations], _scale(w),
+        w.qtype | ACTIVATION_FLAGS[activations_for(w.qtype, activations)], _scale(w),
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
         torch.get_num_threads(),
     )  # fmt: skip

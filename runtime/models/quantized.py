@@ -3,9 +3,10 @@
 A decode step at a few rows reads every weight once, so its speed is the bytes it reads: a
 4-bit weight is an eighth of an fp32 one. `QuantLinear` keeps the weight in its blocks
 (`radixflow.kernels.quant.QuantWeight`: GGUF's types, int8 per channel, 4-bit groups) and
-multiplies with the native kernel (`radixflow.kernels.cpu.quant`), which dequantizes in
-registers and accumulates in fp32 against fp32 activations, so the result is the fp32
-reference's (the weights dequantized, then F.linear) up to the order of the additions.
+multiplies with the native kernel (`radixflow.kernels.cpu.quant`) in the mode
+--quantized-activations names (`set_activations`): int8 (x quantized per block, integer dot
+products and tile products: llama.cpp's accuracy, docs/models.md) or fp32 (dequantized in
+registers against fp32 x: the fp32 reference's result up to the order of the additions).
 
 - A fused projection (q, k and v; gate and up) is one module over row ranges that may have
   different types (a Q4_K_M file keeps v in Q6_K): same-typed neighbours are joined into one
@@ -138,8 +139,8 @@ class QuantLinear(nn.Module):
             self.offsets.append(self.offsets[-1] + _rows(part))
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self.dense_from = 0  # 0: the kernel at any row count (set by choose_dense_rows)
-        # "int8" (8-bit integer dot products: kernels/cpu/qdot.c), "fp32" (exact) or None
-        # (the kernels' process default); set from --quantized-activations by `set_activations`
+        # "auto", "int8" (8-bit integer dot products: kernels/cpu/qdot.c), "fp32" (exact) or
+        # None (the kernels' process default); from --quantized-activations (`set_activations`)
         self.activations: str | None = None
 
     @property
@@ -243,7 +244,8 @@ def weight_bytes(model: nn.Module) -> int:
 
 def set_activations(model: nn.Module, mode: str) -> None:
     """Every QuantLinear's activations: "int8" (integer dot products where the CPU and the
-    block type allow them) or "fp32" (exact: within 1e-4 of the dequantized reference)."""
+    block type allow them), "fp32" (exact: within 1e-4 of the dequantized reference) or
+    "auto" (per part's type: `kernels.cpu.quant.activations_for`)."""
     for m in quant_layers(model):
         m.activations = mode
 
