@@ -59,12 +59,15 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-SYSTEMS = ("radixflow", "radixflow-exact", "radixflow-fp32", "radixflow-fixed", "llama.cpp")
+SYSTEMS = (
+    "radixflow", "radixflow-int8", "radixflow-exact", "radixflow-fp32", "radixflow-fixed",
+    "llama.cpp",
+)  # fmt: skip
 
 
 def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> dict[str, Any]:
-    """name -> a System: radixflow (the GGUF's blocks, --num-threads auto, int8 activations),
-    radixflow-exact (the blocks with --quantized-activations fp32), radixflow-fp32
+    """name -> a System: radixflow (the GGUF's blocks, the defaults), radixflow-int8 and
+    radixflow-exact (--quantized-activations int8 / fp32), radixflow-fp32
     (--dequantize-weights), radixflow-fixed (blocks, a fixed thread count: the behaviour
     before --num-threads auto), llama.cpp (its worker, same thread count)."""
     from radixflow.bench import baselines  # noqa: PLC0415 (torch: only when the bench runs)
@@ -76,6 +79,7 @@ def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> di
     pool = {"max_total_tokens": pool_tokens, "max_running_requests": 64}
     options = {
         "radixflow": {},
+        "radixflow-int8": {"quantized_activations": "int8"},
         "radixflow-exact": {"quantized_activations": "fp32"},
         "radixflow-fp32": {"dequantize_weights": True},
         "radixflow-fixed": {"num_threads": threads},
