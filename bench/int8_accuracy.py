@@ -43,9 +43,11 @@ for ids in sequences:
     llm.reset()
     llm.eval(ids)
     logits = np.array(llm.scores[: len(ids)], dtype=np.float64)
-    logprobs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    top = logits.max(1, keepdims=True)
+    logprobs = logits - top - np.log(np.exp(logits - top).sum(1, keepdims=True))
     # position i predicts ids[i + 1]
-    out.append([[int(logprobs[i].argmax()), float(logprobs[i, ids[i + 1]])] for i in range(len(ids) - 1)])
+    out.append([[int(logprobs[i].argmax()), float(logprobs[i, ids[i + 1]])]
+                for i in range(len(ids) - 1)])
 print(json.dumps(out))
 """
 

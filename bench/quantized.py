@@ -201,8 +201,9 @@ def prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
         row = {"prompt_tokens": args.length, "system": name,
                "prompt_tokens_per_s": round(args.length / statistics.median(t), 1),
                "runs_s": [round(x, 2) for x in t]}  # fmt: skip
-        if "llama.cpp" in times and times["llama.cpp"]:
-            row["vs_llama.cpp"] = round(statistics.median(times["llama.cpp"]) / statistics.median(t), 2)
+        if times.get("llama.cpp"):
+            base = statistics.median(times["llama.cpp"])
+            row["vs_llama.cpp"] = round(base / statistics.median(t), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -245,7 +246,8 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
         row = {"system": name, "load_to_first_token_s": round(statistics.median(t), 2),
                "runs_s": [round(x, 2) for x in t]}  # fmt: skip
         if times.get("llama.cpp"):
-            row["vs_llama.cpp"] = round(statistics.median(t) / statistics.median(times["llama.cpp"]), 2)
+            base = statistics.median(times["llama.cpp"])
+            row["vs_llama.cpp"] = round(statistics.median(t) / base, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

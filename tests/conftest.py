@@ -56,7 +56,10 @@ def engine():
     # quantized blocks (the default's are int8: tests/runtime/models/test_int8_accuracy.py):
     # tests hold other paths to this one
     with Engine(
-        model="smollm2", self_check=True, max_total_tokens=16384, kv_cache_dtype="fp32",
+        model="smollm2",
+        self_check=True,
+        max_total_tokens=16384,
+        kv_cache_dtype="fp32",
         quantized_activations="fp32",
     ) as eng:
         yield eng

@@ -84,6 +84,8 @@ def activations_for(qtype: int, mode: str | None) -> str | None:
     if mode == "auto":
         return "int8" if qtype in K_TYPES else "fp32"
     return mode
+
+
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -194,7 +196,9 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
         return None
     m, k = x.shape
     q, d = torch.empty((m, k), dtype=torch.int8), torch.empty((m, k // block))
-    status = lib.rf_qquantize_acts(x.data_ptr(), m, x.stride(0), k, block, q.data_ptr(), d.data_ptr())
+    status = lib.rf_qquantize_acts(
+        x.data_ptr(), m, x.stride(0), k, block, q.data_ptr(), d.data_ptr()
+    )
     return (q, d) if status == 0 else None
 
 

@@ -188,7 +188,10 @@ class QuantLinear(nn.Module):
 
 
 def _multiply(
-    x: torch.Tensor, part: Part, bias: torch.Tensor | None, out: torch.Tensor,
+    x: torch.Tensor,
+    part: Part,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
     activations: str | None,
 ) -> None:
     """out (a column range of the output, rows at its stride) = x @ part.T + bias."""

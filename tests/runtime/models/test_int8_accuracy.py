@@ -23,7 +23,10 @@ def int8_decode():
     from radixflow.runtime import Engine
 
     with Engine(
-        model="smollm2", max_total_tokens=4096, kv_cache_dtype="fp32", chunked_prefill_size=1,
+        model="smollm2",
+        max_total_tokens=4096,
+        kv_cache_dtype="fp32",
+        chunked_prefill_size=1,
         quantized_activations="int8",
     ) as eng:
         yield eng
