@@ -35,7 +35,7 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_32 4
-static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8 */
+static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
 static int int_rows_set = 0;
 
@@ -99,13 +99,14 @@ int rf_qset_int_isa(int want) {
     return idot_level;
 }
 
-/* Activations: 1 int8 (the default, RADIXFLOW_QUANT_ACTIVATIONS=int8), 0 fp32 (exact,
- * RADIXFLOW_QUANT_ACTIVATIONS=fp32); a negative mode only asks. */
+/* The default of a call that names no mode: 2 auto (int8 for the K types, fp32 for the
+ * others: --quantized-activations auto; the default), 1 int8, 0 fp32 (exact), or
+ * RADIXFLOW_QUANT_ACTIVATIONS=auto|int8|fp32; a negative mode only asks. */
 int rf_qset_activations(int mode) {
-    if (mode >= 0) act_mode = mode ? 1 : 0;
+    if (mode >= 0) act_mode = mode > 2 ? 2 : mode;
     if (act_mode < 0) {
         const char *env = getenv("RADIXFLOW_QUANT_ACTIVATIONS");
-        act_mode = env && !strcmp(env, "fp32") ? 0 : 1;
+        act_mode = !env ? 2 : !strcmp(env, "fp32") ? 0 : !strcmp(env, "int8") ? 1 : 2;
     }
     return act_mode;
 }

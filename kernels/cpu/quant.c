@@ -9,8 +9,8 @@
  * RF_INT8_ACTS) picks int8 activations (qdot.c's integer dot products, qdot_amx.c's AMX-INT8
  * tiles, quant_amx.c's single bf16 pass; see rf_qlinear) or the exact fp32 paths below.
  *
- * Numerics (exact mode): activations stay fp32. A weight block is dequantized to fp32 with the reference's
- * roundings (compiled with -ffp-contract=off, so d * q + m is a product then a sum, as numpy's;
+ * Numerics (exact mode): activations stay fp32. A weight block is dequantized to fp32 with
+ * the reference's roundings (compiled with -ffp-contract=off, so d * q + m is a product then a sum, as numpy's;
  * rf_qdequantize equals the reference bit for bit), then accumulated in fp32 with fma.
  *
  * Layout of the work, two paths, picked by the row count M (rf_qset_panel_rows):
@@ -217,7 +217,9 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     if (M == 0 || N == 0) return 0;
     int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
 #ifdef QUANT_X86
-    const int int8 = acts ? acts == RF_INT8_ACTS : rf_qset_activations(-1);
+    const int mode = rf_qset_activations(-1); /* 2 (auto): int8 for the K types only */
+    const int k_type = qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+    const int int8 = acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type);
     /* int8 mode (not exact): from rf_qset_amx_bf16_rows rows bf16 tile products alone; up to
      * the integer dot products' row limit those; between, int8 tile products (AMX-INT8) */
     if (int8 && isa() == ISA_AVX512 && rf_qset_amx_rows(-1) > 0 && K % 32 == 0 &&

@@ -71,7 +71,7 @@ SIGNATURES = {
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 INT_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # rf_qset_int_isa's levels 0, 1, 2
-ACTIVATIONS = ("fp32", "int8")  # rf_qset_activations's modes 0, 1
+ACTIVATIONS = ("fp32", "int8", "auto")  # rf_qset_activations's modes 0, 1, 2
 ACTIVATION_FLAGS = {"fp32": 0x10000, "int8": 0x20000, None: 0}  # or'ed into rf_qlinear's qtype
 K_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K
 
@@ -142,7 +142,8 @@ def set_amx_rows(rows: int) -> int:
 
 
 def set_activations(mode: str | None) -> str:
-    """The activations a call without its own choice uses: "int8" (8-bit integer dot products
+    """The activations a call without its own choice uses: "auto" (the default: int8 for the
+    K types, fp32 for the rest, as `activations_for`), "int8" (8-bit integer dot products
     where the type and CPU allow: qdot.c) or "fp32" (exact); None only asks. Read at first use
     from RADIXFLOW_QUANT_ACTIVATIONS; "fp32" without the library."""
     lib = library()

@@ -109,8 +109,16 @@ def test_which_calls_take_it(no_amx: None) -> None:
     assert (got - quant.linear(y, f16)).abs().max() <= 1e-4 * got.abs().max()
 
 
-def test_process_default_is_int8_and_settable() -> None:
+def test_process_default_is_auto_and_settable() -> None:
+    """auto: a K type through the integer path, a 32-block type exact; then each mode set."""
     before = native_quant.set_activations(None)
+    assert before == "auto"  # unless RADIXFLOW_QUANT_ACTIVATIONS says otherwise
+    gen = torch.Generator().manual_seed(6)
+    wk, w32 = random_weight(quant.Q4_K, 16, 256), random_weight(quant.Q4_0, 16, 256)
+    xk = torch.randn((1, 256), generator=gen)
+    assert_int8_near(native_quant.linear(xk, wk), quant.linear_int8(xk, wk))
+    exact = quant.linear(xk, w32)
+    assert (native_quant.linear(xk, w32) - exact).abs().max() <= 1e-4 * exact.abs().max()
     try:
         assert native_quant.set_activations("fp32") == "fp32"
         w = random_weight(quant.Q8_0, 16, 256)
