@@ -57,6 +57,17 @@ static inline int idot_block(int qtype) {
     return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
 }
 
+/* Q4_K / Q5_K: a block's 12 bytes of 6-bit scales and mins (at s) as 8 bytes each. As words
+ * a, b, c: sc 0..3 = a & 63, mn 0..3 = b & 63, sc 4..7 = low nibbles of c with a's top 2 bits
+ * above, mn 4..7 = high nibbles of c with b's top 2 bits. */
+static inline void k4_packed(const uint8_t *s, uint64_t *scales, uint64_t *mins) {
+    const uint32_t wa = rd32(s), wb = rd32(s + 4), wc = rd32(s + 8);
+    *scales = (uint64_t)(wa & 0x3f3f3f3f) |
+              (uint64_t)((wc & 0x0f0f0f0f) | ((wa >> 2) & 0x30303030)) << 32;
+    *mins = (uint64_t)(wb & 0x3f3f3f3f) |
+            (uint64_t)(((wc >> 4) & 0x0f0f0f0f) | ((wb >> 2) & 0x30303030)) << 32;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #define IDOT_SUFFIX _vnni512
@@ -229,6 +240,24 @@ static inline __m256i IF(bit4)(const uint8_t *p) {
     return _mm256_and_si256(v, _mm256_set1_epi8(16));
 }
 
+/* Q6_K: half h (128 weights) of the block at p as 4 x 32 values 0..63, in k order: element
+ * r takes its low 4 bits from ql[64 h + r % 64] (low nibble for r < 64) and its top 2 from
+ * qh[32 h + r % 32] >> 2 (r / 32) */
+static inline void IF(q6k_half)(const uint8_t *p, int h, __m256i v[4]) {
+    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
+    const __m256i q1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+    v[0] = _mm256_or_si256(_mm256_and_si256(q0, low),
+                           _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
+    v[1] = _mm256_or_si256(_mm256_and_si256(q1, low),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low),
+                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+}
+
 /* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_1R: one weight row against mr rows of x (32-blocks).
  * A block contributes (d dx) (q . qx) + off * s, s = dx sum(qx), off = -8 d (Q4_0), -16 d
  * (Q5_0), m (Q4_1, Q5_1), 0 (Q8_0). */
@@ -294,14 +323,8 @@ static inline __attribute__((always_inline)) void IF(row_qk)(
         __builtin_prefetch(p + 1024), __builtin_prefetch(p + 1024 + 64);
         __builtin_prefetch(p + 1024 + 128);
         const float d = IF(h16)(p), dmin = IF(h16)(p + 2);
-        /* the 12 bytes of 6-bit scales and mins as words a, b, c: sc 0..3 = a & 63, mn 0..3 =
-         * b & 63, sc 4..7 = low nibbles of c with a's top 2 bits above, mn 4..7 = high
-         * nibbles of c with b's top 2 bits */
-        const uint32_t wa = rd32(p + 4), wb = rd32(p + 8), wc = rd32(p + 12);
-        const uint64_t scales = (uint64_t)(wa & 0x3f3f3f3f) |
-            (uint64_t)((wc & 0x0f0f0f0f) | ((wa >> 2) & 0x30303030)) << 32;
-        const uint64_t mins = (uint64_t)(wb & 0x3f3f3f3f) |
-            (uint64_t)(((wc >> 4) & 0x0f0f0f0f) | ((wb >> 2) & 0x30303030)) << 32;
+        uint64_t scales, mins;
+        k4_packed(p + 4, &scales, &mins);
         const __m256i sc16 = _mm256_broadcastsi128_si256(
             _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins));
@@ -354,7 +377,6 @@ static inline __attribute__((always_inline)) void IF(row_q6k)(
     __m256 acc[IDOT_ROWS];
     for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
     const int64_t nb = a->nb, K = a->K;
-    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nb; b++, p += 210) {
         __builtin_prefetch(p + 1024), __builtin_prefetch(p + 1024 + 64);
         __builtin_prefetch(p + 1024 + 128), __builtin_prefetch(p + 1024 + 192);
@@ -368,18 +390,8 @@ static inline __attribute__((always_inline)) void IF(row_q6k)(
             isum[m] = _mm256_sub_epi32(_mm256_setzero_si256(), isum[m]);
         }
         for (int h = 0; h < 2; h++) {
-            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
             __m256i v[4];
-            v[0] = _mm256_or_si256(_mm256_and_si256(q0, low),
-                                   _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-            v[1] = _mm256_or_si256(_mm256_and_si256(q1, low), _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+            IF(q6k_half)(p, h, v);
             for (int i = 0; i < 4; i++) {
                 /* sc_g in lanes 0-7, sc_{g+1} in 8-15, g = 8h + 2i */
                 const int g = 8 * h + 2 * i;
@@ -421,11 +433,8 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
         __builtin_prefetch(p + 1024), __builtin_prefetch(p + 1024 + 64);
         __builtin_prefetch(p + 1024 + 128);
         const float d = IF(h16)(p), dmin = IF(h16)(p + 2);
-        const uint32_t wa = rd32(p + 4), wb = rd32(p + 8), wc = rd32(p + 12);
-        const uint64_t scales = (uint64_t)(wa & 0x3f3f3f3f) |
-            (uint64_t)((wc & 0x0f0f0f0f) | ((wa >> 2) & 0x30303030)) << 32;
-        const uint64_t mins = (uint64_t)(wb & 0x3f3f3f3f) |
-            (uint64_t)(((wc >> 4) & 0x0f0f0f0f) | ((wb >> 2) & 0x30303030)) << 32;
+        uint64_t scales, mins;
+        k4_packed(p + 4, &scales, &mins);
         const __m512i sc16 = _mm512_castsi128_si512(
             _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
         const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mins));

@@ -94,23 +94,13 @@ static void amxi_unpack(int qtype, const uint8_t *p, int64_t row_bytes, int64_t 
         return;
     }
     if (qtype == Q6_K) {
-        const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        const __m256i off = _mm256_set1_epi8(32);
         for (int64_t b = 0; b < K / 256; b++, p += 210) {
             const int8_t *sc = (const int8_t *)(p + 192);
             const float d = _cvtsh_ss(rd16(p + 208));
             for (int h = 0; h < 2; h++) {
-                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p + 64 * h));
-                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
                 __m256i v[4];
-                v[0] = _mm256_or_si256(_mm256_and_si256(q0, low),
-                                       _mm256_slli_epi16(_mm256_and_si256(hb, three), 4));
-                v[1] = _mm256_or_si256(_mm256_and_si256(q1, low), _mm256_slli_epi16(
-                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4));
-                v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), low),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), three), 4));
-                v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), low),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), three), 4));
+                q6k_half_vnni512(p, h, v);
                 for (int i = 0; i < 4; i++)
                     _mm256_storeu_si256((__m256i *)(q + 256 * b + 128 * h + 32 * i),
                                         _mm256_sub_epi8(v[i], off));
