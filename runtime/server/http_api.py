@@ -104,6 +104,8 @@ class HttpDoor:
 
         self.server = server
         self.public_paths = PUBLIC_PATHS
+        # (path prefix, HttpError -> response) of doors whose errors have their own shape
+        self.error_shapes: list[tuple[str, Callable[[HttpError], web.Response]]] = []
         self.app = web.Application(
             client_max_size=server.config.max_message_bytes, middlewares=[self.guard]
         )
@@ -150,23 +152,41 @@ class HttpDoor:
     async def guard(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
     ) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unknown"
+        response = await self.answer(request, handler)
+        self.server.metrics.on_http(route, response.status)
+        return response
+
+    async def answer(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
+    ) -> web.StreamResponse:
+        """The handler's answer; an error in the shape of the door its path belongs to."""
         if not self.authorized(request):
             self.server.counters[f"error_{m.ERROR_UNAUTHORIZED}"] += 1
-            response = error_response(HttpError(401, "missing or wrong API key (Bearer token)"))
+            error = HttpError(401, "missing or wrong API key (Bearer token or x-api-key)")
+            response = self.error_answer(request, error)
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         try:
             return await handler(request)
         except HttpError as e:
             self.server.counters[f"http_error_{e.status}"] += 1
-            response = error_response(e)
+            response = self.error_answer(request, e)
             if e.code == m.ERROR_SHUTDOWN:
                 response.headers["Retry-After"] = str(RETRY_AFTER_S)
             return response
         except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 (body too large)
             if e.status < 400:
                 raise
-            return error_response(HttpError(e.status, e.text or e.reason))
+            return self.error_answer(request, HttpError(e.status, e.text or e.reason))
+
+    def error_answer(self, request: web.Request, error: HttpError) -> web.Response:
+        """OpenAI's error shape, or that of the door whose path prefix `request` has."""
+        for prefix, shape in self.error_shapes:
+            if request.path.startswith(prefix):
+                return shape(error)
+        return error_response(error)
 
     def authorized(self, request: web.Request) -> bool:
         """No key set, a public route (matched by its route, not by a path prefix), or the
@@ -177,6 +197,7 @@ class HttpDoor:
             return True
         given = request.headers.get("Authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
+        token = token or request.headers.get("x-api-key", "")  # Anthropic's clients send this
         return hmac.compare_digest(token.encode(), key.encode())
 
     async def body(self, request: web.Request) -> Any:

@@ -45,6 +45,12 @@ class Metrics:
         self.prompt_tokens = 0
         self.ttft = Histogram()
         self.e2e = Histogram()
+        self.http: Counter[tuple[str, int]] = Counter()  # (route, status) of HTTP answers
+
+    def on_http(self, route: str, status: int) -> None:
+        """Count one HTTP answer by its route's pattern (not the raw path: a client's path
+        names would make the label set unbounded; unrouted paths count as "unknown")."""
+        self.http[(route, status)] += 1
 
     def on_final(self, job: Any, reply: Any) -> None:
         """Count one final reply (a Result or an Error) of a client request."""
@@ -82,6 +88,11 @@ class Metrics:
         lines += [
             f"# TYPE {p}prompt_tokens_total counter",
             f"{p}prompt_tokens_total {self.prompt_tokens}",
+        ]
+        lines.append(f"# TYPE {p}http_requests_total counter")
+        lines += [
+            f'{p}http_requests_total{{route="{route}",status="{status}"}} {v}'
+            for (route, status), v in sorted(self.http.items())
         ]
         lines += self.ttft.lines(f"{p}time_to_first_token_seconds")
         lines += self.e2e.lines(f"{p}e2e_request_latency_seconds")

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from radixflow.runtime.protocol.messages import Chunk, Error, Generate
 from radixflow.runtime.server.chat import ChatPlan, ChatStream, plan_chat
+from radixflow.runtime.server.chat_runner import ChatJob
 from radixflow.runtime.server.http_request import (
     HttpError,
     check_fields,
@@ -253,7 +254,13 @@ class OpenAiRoutes:
             raise HttpError(400, str(e), "prompt") from e
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self.request_body(request, CHAT)
+        job = self.chat_job(await self.request_body(request, CHAT))
+        return await self.respond(request, job.body, job.msgs, job.plan)
+
+    def chat_job(self, body: dict[str, Any]) -> ChatJob:
+        """A chat completions body (its fields already checked) ready to run: the prompt
+        rendered and tokenized, one Generate per choice. Every chat-shaped door builds one
+        (chat_runner.py); raises HttpError naming the field that is wrong."""
         try:
             plan = plan_chat(body, self.server.tokenizer, self.server.config)
         except ValueError as e:  # ToolError among them: the message names the field
@@ -271,7 +278,7 @@ class OpenAiRoutes:
             (top or 0) if logprobs else -1,
             plan,
         )
-        return await self.respond(request, body, msgs, plan)
+        return ChatJob(plan, msgs, body)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.request_body(request, COMPLETION)

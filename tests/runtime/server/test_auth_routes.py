@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.server.http_api import HttpDoor
+from radixflow.runtime.server.metrics import Metrics
 
 API_KEY = "route-secret"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -79,7 +80,9 @@ def url() -> Iterator[str]:
 def stub_server() -> SimpleNamespace:
     """Just enough of a Server to build its HTTP app (handlers that need more fail with 500,
     which is still not 401)."""
-    return SimpleNamespace(config=ServerConfig(api_key=API_KEY), counters=Counter())
+    return SimpleNamespace(
+        config=ServerConfig(api_key=API_KEY), counters=Counter(), metrics=Metrics(dict)
+    )
 
 
 def route_table(app: web.Application) -> list[tuple[str, str]]:
