@@ -55,6 +55,16 @@ class ServerConfig:
     )
     zmq_port: int = _knob(30001, "TCP port of radixflow's own ZeroMQ protocol; 0 picks a free one")
     api_key: str = _knob("", "shared secret checked on every message (required off loopback)")
+    allowed_origins: str = _knob(
+        "",
+        "browser origins allowed to call the HTTP API (CORS), comma-separated "
+        "(http://host:port), or '*' for any; '' = the loopback origins only (localhost, "
+        "127.x.x.x, [::1], any port), as Ollama's default",
+    )
+    allowed_methods: str = _knob("GET,POST,PUT,DELETE,OPTIONS", "CORS: methods a page may use")
+    allowed_headers: str = _knob(
+        "*", "CORS: request headers a page may send ('*' = any it asks for, Authorization too)"
+    )
     page_size: int = _knob(1, "KV slots per page (allocation granularity)")
     max_total_tokens: int = _knob(
         0,

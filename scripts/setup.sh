@@ -34,3 +34,11 @@ fi
 # plus what `import sglang` and its test programs need beyond radixflow's.
 "${PIP[@]}" --no-deps "sglang==0.5.23" pybase64 msgspec
 "${PIP[@]}" ipython
+# Debian's Chromium, for the browser test of CORS (tests/runtime/server/test_cors.py skips
+# without it): installed where this runs as root with apt, else left out with a note.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q chromium >/dev/null 2>&1 \
+      || echo "chromium could not be installed: the browser CORS test will skip"
+  fi
+fi

@@ -10,9 +10,12 @@ client costs memory bounded by its own output, and only its own handler waits on
 A client that disconnects cancels its handler (aiohttp's handler_cancellation), and the
 handler's exit aborts whatever it still had in flight: its KV is freed at the scheduler's next
 step. Bodies are limited to `max_message_bytes` (413). With an API key every route but
-`/health` wants `Authorization: Bearer <key>` (401); the one `guard` middleware enforces it for
-every route the app has. While the server drains (SIGTERM) requests it refuses get 503 with
-Retry-After. Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+`/health` wants `Authorization: Bearer <key>` or `x-api-key: <key>` (401); the one `guard`
+middleware enforces it for every route the app has, and counts every answer per route in
+/metrics. Browser pages of the allowed origins may call it (CORS: cors.py). While the server
+drains (SIGTERM) requests it refuses get 503 with Retry-After. Errors are in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}` unless the door of the path has its own
+(`error_shapes`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from aiohttp import web
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
 from radixflow.runtime.server import reports
+from radixflow.runtime.server.cors import Cors
 from radixflow.runtime.server.http_request import (
     STATUS_OF_CODE,
     HttpError,
@@ -106,9 +110,12 @@ class HttpDoor:
         self.public_paths = PUBLIC_PATHS
         # (path prefix, HttpError -> response) of doors whose errors have their own shape
         self.error_shapes: list[tuple[str, Callable[[HttpError], web.Response]]] = []
+        config = server.config
+        self.cors = Cors(config.allowed_origins, config.allowed_methods, config.allowed_headers)
         self.app = web.Application(
-            client_max_size=server.config.max_message_bytes, middlewares=[self.guard]
+            client_max_size=config.max_message_bytes, middlewares=[self.preflight, self.guard]
         )
+        self.app.on_response_prepare.append(self.cors.on_prepare)
         get, post = web.get, web.post
         routes = [
             web.route("*", "/generate", self.generate),
@@ -147,6 +154,16 @@ class HttpDoor:
             await self.runner.cleanup()
 
     # ---- plumbing ----------------------------------------------------------------------
+
+    @web.middleware
+    async def preflight(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]
+    ) -> web.StreamResponse:
+        """A browser's CORS preflight is answered here, for every path, before the key is
+        checked (cors.py); anything else goes on to `guard`."""
+        if Cors.is_preflight(request):
+            return self.cors.preflight(request)
+        return await handler(request)
 
     @web.middleware
     async def guard(
