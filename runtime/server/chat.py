@@ -38,7 +38,8 @@ from radixflow.runtime.server.tool_calls import (
 )
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
-CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")
+CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag", "choices")
+REGEX_META = set("\\.^$|?*+()[]{}")
 BODY_OF = {"regex": "regex", "json_schema": "schema", "ebnf": "ebnf"}  # structural tag names
 
 
@@ -127,6 +128,7 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ToolError("chat_template_kwargs must be an object")
+    kwargs = with_effort(kwargs, body.get("reasoning_effort"))
     name = config.tool_call_parser or infer_format(getattr(tokenizer, "chat_template", None))
     fmt = get_format(name) if choice.mode != "none" else None
     generic = name == "generic"
@@ -135,7 +137,7 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     if generic and offered:
         messages = with_system(messages, generic_system(offered))
     template_tools = [t.openai() for t in offered] if offered and not generic else None
-    prompt = render(tokenizer, messages, template_tools, kwargs)
+    prompt = render(tokenizer, messages, template_tools, kwargs, continuing(body, messages))
     constraint: dict[str, str] = {}
     trigger = fmt.trigger(offered, parallel) if fmt is not None and offered else None
     if fmt is not None and choice.mode == "required":
@@ -153,6 +155,34 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft)
 
 
+EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+def with_effort(kwargs: dict[str, Any], effort: Any) -> dict[str, Any]:
+    """OpenAI's reasoning_effort as the template's enable_thinking: none and minimal turn
+    thinking off, low/medium/high on (no budget: the think block ends when the model ends
+    it, or at max_tokens). An explicit chat_template_kwargs.enable_thinking wins."""
+    if effort is None:
+        return kwargs
+    if effort not in EFFORTS:
+        raise ToolError(f"reasoning_effort must be one of {tuple(EFFORTS)}, got {effort!r}")
+    return {"enable_thinking": EFFORTS[effort], **kwargs}
+
+
+def continuing(body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+    """Whether the reply continues the last (assistant) message instead of opening a turn:
+    a trailing assistant message with text is continued unless continue_final_message is
+    false (assistant prefill); continue_final_message true wants such a message."""
+    wanted = body.get("continue_final_message")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ToolError("continue_final_message must be a boolean")
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last.get("content"))
+    if wanted and not prefill:
+        raise ToolError("continue_final_message needs a last assistant message with content")
+    return prefill and wanted is not False
+
+
 def after_reasoning(params: dict[str, Any], after: str) -> dict[str, Any]:
     """`params` with its constraint applied from `after` on: a structural tag whose watch
     starts there (a trigger "" fires at once), the constraint itself its one structure."""
@@ -161,6 +191,8 @@ def after_reasoning(params: dict[str, Any], after: str) -> dict[str, Any]:
         return params
     out = {k: v for k, v in params.items() if k != kind}
     value = params[kind]
+    if kind == "choices":  # one of the strings, as a regex the structure can hold
+        kind, value = "regex", "(" + "|".join(map(regex_literal, value)) + ")"
     if kind == "structural_tag":
         tag = json.loads(value) if isinstance(value, str) else dict(value)
         if isinstance(tag, dict) and "after" not in tag:  # one that says where it starts keeps it
@@ -173,6 +205,10 @@ def after_reasoning(params: dict[str, Any], after: str) -> dict[str, Any]:
     tag = {"type": "structural_tag", "structures": [structure], "triggers": [""]}
     out["structural_tag"] = json.dumps({**tag, "after": after, "stop_after_first": True})
     return out
+
+
+def regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in REGEX_META else c for c in text)
 
 
 def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:
@@ -209,14 +245,21 @@ def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
 
 
 def render(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None,
+    kwargs: dict,
+    prefill: bool = False,
 ) -> str:
+    """The prompt: the conversation and a new assistant turn, or (`prefill`) the last
+    assistant message left open to be continued."""
     try:
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=messages[-1]["role"] != "assistant",
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
             **kwargs,
         )
     except Exception as e:  # jinja raises its own errors for conversations it refuses

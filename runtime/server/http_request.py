@@ -22,6 +22,7 @@ from aiohttp import web
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Generate
 from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.runtime.server.fields import FieldError, translate
 
 log = logging.getLogger("radixflow.server")
 
@@ -210,12 +211,22 @@ def clean_sampling(params: Any, where: str = "sampling_params.") -> dict[str, An
         return {}
     if not isinstance(params, dict):
         raise HttpError(400, "sampling_params must be an object", "sampling_params")
+    params = foreign_fields(params)
     known = {k for k in params if k in SAMPLING_FIELDS}
     check_fields(params, known, SAMPLING_NOOP, SAMPLING_ANY, where)
     out = {k: params[k] for k in known}
     if "sampling_seed" in out:
         out["seed"] = out.pop("sampling_seed")
     return out
+
+
+def foreign_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """Other runtimes' spellings renamed onto ours, or a 400 naming the one refused
+    (fields.py)."""
+    try:
+        return translate(body)
+    except FieldError as e:
+        raise HttpError(400, str(e), e.param) from e
 
 
 def per_item(body: dict, name: str, count: int, kind: type, default: Any) -> list[Any]:

@@ -26,6 +26,7 @@ from radixflow.runtime.server.http_request import (
     check_fields,
     clean_sampling,
     error_body,
+    foreign_fields,
     is_int_list,
     prepend,
     response_format,
@@ -54,6 +55,8 @@ COMMON = {
     "regex",
     "json_schema",
     "ebnf",
+    "choices",
+    "structural_tag",
     "repetition_penalty",
     "stop_token_ids",
     "stop_regex",
@@ -65,13 +68,13 @@ COMMON = {
 CHAT = COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "separate_reasoning",
+    "continue_final_message", "reasoning_effort",
 }  # fmt: skip
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # fields OpenAI clients or SGLang's router send that are no-ops at these values (None and
 # empty lists and maps too: http_request.is_noop); other names are ignored with a warning
 NOOP = {
     "no_stop_trim": False,
-    "continue_final_message": False,
     "stream_reasoning": True,
     "return_hidden_states": False,
     "lora_path": None,
@@ -85,7 +88,6 @@ NOOP = {
     "metadata": None,
     "store": False,
     "service_tier": None,
-    "reasoning_effort": None,
     "modalities": None,
     "audio": None,
     "prediction": None,
@@ -152,6 +154,7 @@ class OpenAiRoutes:
         body = await self.door.body(request)
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
+        body = foreign_fields(body)
         check_fields(body, honored, NOOP, ANY, "")
         if not isinstance(body.get("model", ""), (str, type(None))):
             raise HttpError(400, "model must be a string", "model")
@@ -186,6 +189,8 @@ class OpenAiRoutes:
             "regex": "regex",
             "json_schema": "json_schema",
             "ebnf": "ebnf",
+            "choices": "choices",
+            "structural_tag": "structural_tag",
             max_key: "max_new_tokens",
         }
         for name, ours in names.items():
@@ -196,7 +201,11 @@ class OpenAiRoutes:
             if body.get("max_completion_tokens") is None:
                 params["max_new_tokens"] = body["max_tokens"]
         nested = self.server.config.grammar_backend == "llguidance"
-        params.update(response_format(body.get("response_format"), nested))
+        formatted = response_format(body.get("response_format"), nested)
+        clash = [k for k in formatted if params.get(k) is not None]
+        if clash:
+            raise HttpError(400, f"response_format and {clash[0]} both given", "response_format")
+        params.update(formatted)
         if plan is not None:
             try:
                 params = plan.sampling(params)
@@ -211,6 +220,7 @@ class OpenAiRoutes:
         max_key: str,
         top: int,
         plan: ChatPlan | None = None,
+        echo: bool = False,
     ) -> list[Generate]:
         n = typed(body, "n", int, 1)
         if not 1 <= n <= 64:
@@ -231,6 +241,7 @@ class OpenAiRoutes:
                         sampling_params=params,
                         stream=stream,
                         return_logprob=want_logprobs,
+                        logprob_start_len=0 if echo and want_logprobs else -1,
                         top_logprobs_num=max(top, 0),
                     )
                 )
@@ -282,13 +293,19 @@ class OpenAiRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.request_body(request, COMPLETION)
-        if body.get("echo") or body.get("suffix") or body.get("best_of") not in (None, 1):
-            raise HttpError(400, "echo, suffix and best_of > 1 are not supported", "echo")
+        if body.get("suffix"):
+            raise HttpError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+        echo = typed(body, "echo", bool, False)
+        if echo and typed(body, "stream", bool, False):
+            raise HttpError(400, "echo is not supported with stream; send stream=false", "echo")
         prompt = body.get("prompt")
+        texts: list[str] | None = None
         if isinstance(prompt, str):
-            prompts = [self.tokenize(prompt)]
+            texts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenize(p) for p in prompt]
+            texts = list(prompt)
+        if texts is not None:
+            prompts = [self.tokenize(t) for t in texts]
         elif is_int_list(prompt) and prompt:
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(is_int_list(p) for p in prompt):
@@ -307,8 +324,12 @@ class OpenAiRoutes:
             raise HttpError(400, "logprobs must be in [0, 5]", "logprobs")
         if body.get("max_tokens") is None:
             body["max_tokens"] = 16  # OpenAI's default for completions (also for null)
-        msgs = self.choices_of(prompts, body, "max_tokens", -1 if top is None else top)
-        return await self.respond(request, body, msgs, None)
+        msgs = self.choices_of(prompts, body, "max_tokens", -1 if top is None else top, echo=echo)
+        echoes = None
+        if echo:  # each choice's text starts with its prompt, as given
+            texts = texts or [self.server.tokenizer.decode(ids) for ids in prompts]
+            echoes = [t for t in texts for _ in range(len(msgs) // len(prompts))]
+        return await self.respond(request, body, msgs, None, echoes)
 
     # ---- answers -----------------------------------------------------------------------
 
@@ -318,9 +339,10 @@ class OpenAiRoutes:
         body: dict[str, Any],
         msgs: list[Generate],
         plan: ChatPlan | None,
+        echoes: list[str] | None = None,
     ) -> web.StreamResponse:
         """A chat completion when `plan` is given (messages, tool calls, reasoning), else a
-        text completion."""
+        text completion (`echoes`: each choice's prompt text, to start its text with)."""
         chat = plan is not None
         include_usage = self.stream_usage(body)  # checked even when not streaming
         sinks = self.door.submit(msgs)
@@ -340,7 +362,9 @@ class OpenAiRoutes:
             if plan is not None:
                 choice["message"], calls = plan.message(data["text"])
             else:
-                choice["text"] = data["text"]
+                choice["text"] = (echoes[i] if echoes else "") + data["text"]
+            if echoes and "input_token_logprobs" in meta:
+                meta = echoed(meta)
             choice["logprobs"] = self.logprobs(meta, msgs[i], chat)
             choice.update(finish(meta, calls))
             choices.append(choice)
@@ -436,7 +460,7 @@ class OpenAiRoutes:
         ids = [e[1] for e in entries]
         texts = self.door.token_texts(ids)
         tops = meta.get("output_top_logprobs") or [[] for _ in entries]
-        top_texts = [self.door.token_texts([t for _, t in top]) for top in tops]
+        top_texts = [self.door.token_texts([t for _, t in top or ()]) for top in tops]
         if chat:
             content = []
             for (lp, _, _), text, top, names in zip(entries, texts, tops, top_texts):
@@ -460,7 +484,8 @@ class OpenAiRoutes:
             "tokens": texts,
             "token_logprobs": [e[0] for e in entries],
             "top_logprobs": [
-                {s: tlp for (tlp, _), s in zip(top, names)} for top, names in zip(tops, top_texts)
+                None if top is None else {s: tlp for (tlp, _), s in zip(top, names)}
+                for top, names in zip(tops, top_texts)
             ],
             "text_offset": offsets,
         }
@@ -488,3 +513,16 @@ def finish(meta: dict[str, Any], tool_calls: bool = False) -> dict[str, Any]:
     matched = reason.get("matched")
     kind = "tool_calls" if tool_calls else reason.get("type")
     return {"finish_reason": kind, "matched_stop": matched}
+
+
+def echoed(meta: dict[str, Any]) -> dict[str, Any]:
+    """A completion's meta with its prompt's logprob entries ahead of its output's (echo):
+    the first prompt token has no logprob (nothing comes before it), so None and no top."""
+    tops_in = meta.get("input_top_logprobs")
+    tops_out = meta.get("output_top_logprobs")
+    out = dict(meta)
+    out["output_token_logprobs"] = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    if tops_in is not None or tops_out is not None:
+        tops = list(tops_in or [[]] * len(meta["input_token_logprobs"])) + list(tops_out or [])
+        out["output_top_logprobs"] = [None, *tops[1:]]
+    return out
