@@ -28,6 +28,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float
 QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "fp32")
+SAMPLING_DEFAULTS = ("model", "openai")
 DEFAULT_POOL_TOKENS = 65536  # a pool sized to the machine stops here (or at one full context)
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
@@ -87,6 +88,12 @@ class ServerConfig:
     max_preemptions: int = _knob(8, "times one request may be preempted before it is failed")
     context_length: int = _knob(0, "max tokens per sequence; 0 = the model's own")
     max_new_tokens_limit: int = _knob(8192, "largest max_new_tokens a request may ask for")
+    sampling_defaults: str = _knob(
+        "model",
+        "what a request leaves unset samples with: model (the checkpoint's "
+        "generation_config.json, or a GGUF's general.sampling.* keys: temperature, top_p, "
+        "top_k, min_p, repetition_penalty) or openai (1.0 / 1.0 / off, whatever the model says)",
+    )
     attention_backend: str = _knob("auto", "auto (Triton on CUDA), torch or triton")
     device: str = _knob("auto", "auto, cpu or cuda")
     dtype: str = _knob("auto", "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
@@ -238,6 +245,10 @@ class ServerConfig:
             (self.grammar_timeout_s > 0, "grammar_timeout_s must be > 0"),
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend: {GRAMMAR_BACKENDS}"),
+            (
+                self.sampling_defaults in SAMPLING_DEFAULTS,
+                f"sampling_defaults must be one of {SAMPLING_DEFAULTS}",
+            ),
             (self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser: {TOOL_PARSERS}"),
             (self.reasoning_parser in REASONING, f"reasoning_parser: {REASONING}"),
             (

@@ -50,9 +50,13 @@ from radixflow.runtime.model_executor.model_runner import (
 )
 from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models.layers import CausalLM
-from radixflow.runtime.models.loader import load_hf_config, resolve_model_dir
+from radixflow.runtime.models.loader import (
+    load_hf_config,
+    model_sampling_defaults,
+    resolve_model_dir,
+)
 from radixflow.runtime.protocol.limits import RequestLimits
-from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
 from radixflow.runtime.scheduler.scheduler import Scheduler
 from radixflow.runtime.tokenizer import (
@@ -187,6 +191,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attention_backend": model.ops.name,
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
+        # what a request leaves unset samples with (--sampling-defaults)
+        "sampling_defaults": (
+            model_sampling_defaults(model_dir) if config.sampling_defaults == "model" else {}
+        ),
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 
@@ -410,7 +418,7 @@ class Engine:
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
         for ids, p in zip(id_lists, params):
-            sampling = SamplingParams.from_dict(p)
+            sampling = SamplingParams.from_dict(with_defaults(p, self.model_info)[0])
             self.limits.check(ids, sampling)
             if not -1 <= logprob_start_len < len(ids):
                 raise ValueError(f"logprob_start_len must be in [-1, {len(ids)})")

@@ -213,9 +213,11 @@ def write_gguf(
     type_name: str,
     overrides: Mapping[str, str] | None = None,
     extra: Mapping[str, np.ndarray] | None = None,
+    metadata: Mapping[str, float | int] | None = None,
 ) -> dict[str, str]:
     """Quantize `model` in place (`quantize_model`) and write it to `path` as llama.cpp lays
-    it out, with `extra` fp32 tensors beside the weights (llama.cpp's `rope_freqs`).
+    it out, with `extra` fp32 tensors beside the weights (llama.cpp's `rope_freqs`) and
+    `metadata` keys beside its own.
     -> GGUF tensor name -> type written."""
     c = model.config
     arch = _gguf_arch(model)
@@ -223,6 +225,11 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, c, c.model_type.removesuffix("_text"))
     _tokenizer(writer)
+    for key, value in (metadata or {}).items():  # more keys (general.sampling.*)
+        if isinstance(value, int):
+            writer.add_int32(key, value)
+        else:
+            writer.add_float32(key, value)
     for name, (gguf_name, kind, data) in tensors.items():
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in gguf_name else c.num_key_value_heads

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -35,8 +36,10 @@ from radixflow.runtime.models import (
     UnsupportedModelError,
     architecture_of,
 )
+from radixflow.runtime.models.gguf_file import Layout
 from radixflow.runtime.models.progress import Progress
 
+log = logging.getLogger("radixflow.loader")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 GGUF_POINTER = "gguf.json"  # in a GGUF's directory: {"path": the file}
 FORMAT = "v2"  # of a GGUF's cached directory (v1 held the fp32 weights from the start)
@@ -157,6 +160,39 @@ def weight_files(model_dir: Path) -> list[Path]:
         return [model_dir / name for name in names]
     single = model_dir / "model.safetensors"
     return [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+
+
+# the sampling fields a checkpoint may recommend: generation_config.json name -> GGUF key
+SAMPLING_KEYS = {
+    "temperature": "general.sampling.temp",
+    "top_p": "general.sampling.top_p",
+    "top_k": "general.sampling.top_k",
+    "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat",
+}
+
+
+def model_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The sampling values the checkpoint recommends: from its generation_config.json, or
+    for a GGUF from its `general.sampling.*` metadata (llama.cpp's keys); {} where it says
+    nothing. Values that are not numbers are left out."""
+    gguf = gguf_source(model_dir)
+    if gguf is not None:
+        fields = Layout(gguf).fields
+        found = {name: fields.get(key) for name, key in SAMPLING_KEYS.items()}
+    else:
+        path = model_dir / "generation_config.json"
+        try:
+            data = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            log.warning("%s is not JSON: its sampling defaults are ignored", path)
+            data = {}
+        found = {name: data.get(name) for name in SAMPLING_KEYS} if isinstance(data, dict) else {}
+    out: dict[str, float | int] = {}
+    for name, value in found.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
 
 
 def load_hf_config(model_dir: Path) -> Any:

@@ -204,3 +204,17 @@ def _valid_bias(bias: dict[str, float]) -> bool:
         and -100.0 <= v <= 100.0
         for k, v in bias.items()
     )
+
+
+def with_defaults(
+    params: dict[str, Any] | None, model_info: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params with the model's sampling defaults for the fields it leaves unset, the
+    defaults so applied): a request's own value, even null, wins over the model's."""
+    params = dict(params or {})
+    applied = {
+        name: value
+        for name, value in model_info.get("sampling_defaults", {}).items()
+        if name not in params
+    }
+    return {**params, **applied}, applied

@@ -365,7 +365,7 @@ class HttpDoor:
                 "tokenizer_path": info.get("model_path"),
                 "served_model_name": info.get("model"),
                 "is_generation": True,
-                "preferred_sampling_params": None,
+                "preferred_sampling_params": info.get("sampling_defaults") or None,
                 "weight_version": "default",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,

@@ -76,8 +76,10 @@ class GenerateJob(Job):
         input_ids: list[int],
         sampling: SamplingParams,
         tokenizer: Any,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(identity, msg.rid)
+        self.defaults = defaults or {}  # the model's sampling values it was given
         self.msg, self.input_ids, self.sampling, self.tokenizer = (
             msg,
             input_ids,
@@ -113,6 +115,9 @@ class GenerateJob(Job):
                 meta["output_top_logprobs"] = update.new_top_logprobs
         return [Chunk(self.rid, text, update.new_ids, meta)]
 
+    def meta_defaults(self) -> dict[str, Any]:
+        return {"sampling_defaults": self.defaults} if self.defaults else {}
+
     def output(self, update: ReqUpdate) -> dict[str, Any]:
         """The final {text, output_ids, meta_info}, as the offline Engine builds it."""
         msg = self.msg
@@ -122,7 +127,7 @@ class GenerateJob(Job):
             self.input_ids,
             self.sampling,
             update.finish_reason,
-            {**(update.meta_info or {}), "id": self.rid},
+            {**(update.meta_info or {}), "id": self.rid, **self.meta_defaults()},
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,

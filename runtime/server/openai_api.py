@@ -134,6 +134,7 @@ class OpenAiRoutes:
             "owned_by": "radixflow",
             "root": self.server.model_info.get("model_path", name),
             "max_model_len": self.server.model_info.get("context_length"),
+            "sampling_defaults": self.server.model_info.get("sampling_defaults", {}),
         }
 
     async def models(self, request: web.Request) -> web.Response:

@@ -60,6 +60,7 @@ from radixflow.runtime.protocol.messages import (
     Stats,
     Status,
 )
+from radixflow.runtime.protocol.sampling import with_defaults
 from radixflow.runtime.protocol.transport import (
     TransportError,
     is_loopback,
@@ -326,7 +327,8 @@ class Server:
     def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
         ids = self.rules.prompt_ids(msg.text, msg.input_ids)
-        sampling = self.rules.sampling(msg.sampling_params)
+        params, defaults = with_defaults(msg.sampling_params, self.model_info)
+        sampling = self.rules.sampling(params)
         self.rules.check_limits(ids, sampling)
         if not -1 <= msg.logprob_start_len < len(ids):
             raise RequestError(
@@ -336,7 +338,7 @@ class Server:
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
             )
-        job = GenerateJob(identity, msg, ids, sampling, self.tokenizer)
+        job = GenerateJob(identity, msg, ids, sampling, self.tokenizer, defaults)
         spec = ReqSpec(
             "",
             ids,
