@@ -77,6 +77,11 @@ class ServerConfig:
     max_prefill_tokens: int = _knob(2048, "token budget of one step's prefill work")
     chunked_prefill_size: int = _knob(512, "longest prefill chunk per step; -1 turns chunking off")
     schedule_policy: str = _knob("lpm", "waiting-queue order: lpm, dfs-weight or fcfs")
+    enable_priority_scheduling: bool = _knob(
+        False,
+        "admit waiting requests by their `priority` (larger first; the policy orders each "
+        "level); without it a request's non-zero priority is refused",
+    )
     schedule_conservativeness: float = _knob(1.0, "scales the reserved decode estimate")
     new_token_ratio_decay_steps: int = _knob(
         600,

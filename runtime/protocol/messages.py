@@ -139,6 +139,7 @@ class Generate:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    priority: int = 0  # larger first, with --enable-priority-scheduling
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class ReqSpec:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    priority: int = 0
 
 
 @dataclass(frozen=True)

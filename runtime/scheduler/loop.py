@@ -104,6 +104,7 @@ class SchedulerLoop:
             logprob_start_len=spec.logprob_start_len,
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,
+            priority=spec.priority,
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)

@@ -21,9 +21,19 @@ def _match(tree: RadixCache, req: Req) -> tuple[int, Node]:
     return len(prefix), node
 
 
-def order_waiting(waiting: list[Req], tree: RadixCache, policy: str, step: int) -> list[Req]:
+def order_waiting(
+    waiting: list[Req], tree: RadixCache, policy: str, step: int, by_priority: bool = False
+) -> list[Req]:
     """Admission order. lpm: longest cached prefix first, each waited step worth
-    AGING_TOKENS_PER_STEP cached tokens so a cold request cannot starve; ties by arrival."""
+    AGING_TOKENS_PER_STEP cached tokens so a cold request cannot starve; ties by arrival.
+    `by_priority`: larger `priority` first, the policy's order within one priority."""
+    ordered = policy_order(waiting, tree, policy, step)
+    if by_priority:
+        ordered.sort(key=lambda r: -r.priority)  # stable: the policy's order within a level
+    return ordered
+
+
+def policy_order(waiting: list[Req], tree: RadixCache, policy: str, step: int) -> list[Req]:
     if policy == "fcfs" or len(waiting) > LPM_FALLBACK_QUEUE_LEN or tree.disabled:
         return sorted(waiting, key=lambda r: r.arrival)
     if policy == "lpm":

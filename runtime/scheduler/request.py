@@ -56,6 +56,7 @@ class Req:
     # scheduling
     arrival: float = field(default_factory=time.monotonic)
     arrival_step: int = 0
+    priority: int = 0  # admission: larger first, with --enable-priority-scheduling
     num_preemptions: int = 0
     cached_tokens: int = -1  # set once, at first admission
     grammar: Any = None  # a constraints.Grammar while constrained

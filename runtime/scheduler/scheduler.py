@@ -260,7 +260,11 @@ class Scheduler:
         in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
         self.admit_stop = None  # why admission stopped; None: the queue ran out
         for req in order_waiting(
-            self.waiting, self.tree, self.config.schedule_policy, self.step_count
+            self.waiting,
+            self.tree,
+            self.config.schedule_policy,
+            self.step_count,
+            self.config.enable_priority_scheduling,
         ):
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
                 self.admit_stop = "token_budget" if budget <= 0 else "running_cap"

@@ -73,7 +73,6 @@ GENERATE_NOOP = {
     "bootstrap_port": None,
     "bootstrap_room": None,
     "data_parallel_rank": None,
-    "priority": None,
     "extra_key": None,
     "custom_labels": None,
     "routing_key": None,
@@ -91,6 +90,7 @@ GENERATE_FIELDS = {
     "logprob_start_len",
     "top_logprobs_num",
     "return_text_in_logprobs",
+    "priority",
 }
 # sampling_params names of SGLang's that are no-ops here at these values
 SAMPLING_NOOP = {
@@ -276,6 +276,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
     logprob = per_item(body, "return_logprob", count, bool, False)
     start = per_item(body, "logprob_start_len", count, int, -1)
     top = per_item(body, "top_logprobs_num", count, int, 0)
+    priority = per_item(body, "priority", count, int, 0)
     typed(body, "return_text_in_logprobs", bool, False)
     msgs = []
     for i, (kind, prompt) in enumerate(prompts):
@@ -295,6 +296,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
                     return_logprob=logprob[i] or top[i] > 0,
                     logprob_start_len=start[i],
                     top_logprobs_num=top[i],
+                    priority=priority[i],
                     **{kind: prompt},
                 )
             )

@@ -64,6 +64,7 @@ COMMON = {
     "skip_special_tokens",
     "rid",
     "logit_bias",
+    "priority",
 }
 CHAT = COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -81,7 +82,6 @@ NOOP = {
     "session_params": None,
     "custom_logit_processor": None,
     "custom_params": None,
-    "priority": None,
     "extra_key": None,
     "cache_salt": None,
     "data_parallel_rank": None,
@@ -244,6 +244,7 @@ class OpenAiRoutes:
                         return_logprob=want_logprobs,
                         logprob_start_len=0 if echo and want_logprobs else -1,
                         top_logprobs_num=max(top, 0),
+                        priority=typed(body, "priority", int, 0),
                     )
                 )
         return msgs

@@ -334,6 +334,10 @@ class Server:
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
             )
+        if msg.priority and not self.config.enable_priority_scheduling:
+            raise RequestError(
+                ERROR_INVALID_REQUEST, "priority needs the server's --enable-priority-scheduling"
+            )
         if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
@@ -347,6 +351,7 @@ class Server:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
+            priority=msg.priority,
         )
         return job, spec
 

@@ -377,3 +377,27 @@ def test_new_token_ratio_decay_steps_sets_how_fast_admission_recovers() -> None:
             assert ratios[floor_after] == pytest.approx(fast.min_ratio)
     assert any(len(r) > floor_after for r in fast_stretches)
     assert all(r > 0.5 for ratios in slow_stretches for r in ratios[:100])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_high_priority_request_overtakes_the_queue(enabled: bool) -> None:
+    """One request runs at a time; four wait; a later one with a higher priority is admitted
+    next with --enable-priority-scheduling (and in arrival order without it)."""
+    sched, _ = make_scheduler(
+        max_running_requests=1, schedule_policy="fcfs", enable_priority_scheduling=enabled
+    )
+    finished: list[str] = []
+    queue = [make_req(f"q{i}", [3 + i] * 8, 4, ignore_eos=True) for i in range(5)]
+    urgent = make_req("urgent", [50] * 8, 4, ignore_eos=True)
+    urgent.priority = 5
+    for req in queue:
+        sched.add_request(req)
+    sched.step()  # q0 runs
+    sched.add_request(urgent)
+    for _ in range(200):
+        sched.step()
+        finished += [r.rid for r in [*queue, urgent] if r.finished and r.rid not in finished]
+        if not sched.has_work:
+            break
+    expected = ["q0", "urgent", "q1", "q2", "q3", "q4"]
+    assert finished == (expected if enabled else ["q0", "q1", "q2", "q3", "q4", "urgent"])

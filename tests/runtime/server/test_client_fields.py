@@ -153,3 +153,13 @@ def test_reasoning_effort_is_taken(client: openai.OpenAI) -> None:
     assert reply.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         chat(client, reasoning_effort="extreme")
+
+
+def test_priority_needs_priority_scheduling(client: openai.OpenAI, runtime: Server) -> None:
+    """This server runs without --enable-priority-scheduling: a priority it would not honour
+    is refused (the overtaking itself is tested on the scheduler)."""
+    assert chat(client, priority=0).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="enable-priority-scheduling"):
+        chat(client, priority=2)
+    native = httpx.post(runtime.url + "/generate", json={"text": "Hi", "priority": 3}, timeout=60)
+    assert native.status_code == 400 and "priority" in native.text
