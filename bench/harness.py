@@ -20,6 +20,8 @@ import psutil
 from radixflow.bench.rounds import RoundResult, System, mean, percentile
 from radixflow.bench.workloads import Workload, best_hit_rate, prompts_of
 
+PEER_WORKER = "bench/peers.py"  # in the command line of a peer's worker (baselines.py)
+
 
 class RssSampler:
     """Peak resident memory of a process tree, sampled every 50 ms while in the block.
@@ -49,7 +51,7 @@ class RssSampler:
         while True:
             try:
                 if time.monotonic() - listed >= self.LIST_EVERY_S:
-                    tree, listed = [root, *root.children(recursive=True)], time.monotonic()
+                    tree, listed = own_tree(root), time.monotonic()
                 rss = 0
                 for p in tree:
                     try:
@@ -61,6 +63,29 @@ class RssSampler:
                 pass  # the root went away: nothing left to sample
             if self._stop.wait(self.PERIOD_S):
                 return
+
+
+def own_tree(root: Any) -> list[Any]:
+    """`root` and its descendants, less the peers' workers (bench/peers.py) and theirs: an
+    in-process system's root is the bench itself, whose children include every peer it runs
+    beside (their memory is theirs, measured from their own pid)."""
+    descendants, parent, peers = root.children(recursive=True), {}, set()
+    for child in descendants:
+        try:
+            parent[child.pid] = child.ppid()
+            if any(arg.endswith(PEER_WORKER) for arg in child.cmdline()):
+                peers.add(child.pid)
+        except psutil.Error:
+            pass
+
+    def under_a_peer(pid: int) -> bool:
+        while pid in parent:
+            if pid in peers:
+                return True
+            pid = parent[pid]
+        return False
+
+    return [root, *(c for c in descendants if not under_a_peer(c.pid))]
 
 
 @dataclass

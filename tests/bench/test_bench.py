@@ -461,3 +461,31 @@ def test_a_timed_run_waits_while_another_process_still_works() -> None:
         proc.kill()
         proc.wait()
     assert 1.0 <= waited <= 12.0
+
+
+def test_an_in_process_systems_memory_leaves_out_the_peers_workers(tmp_path: Path) -> None:
+    """The bench's own tree holds the peers' workers (vLLM, llama.cpp) beside an in-process
+    radixflow: a worker (its command names bench/peers.py) and its children are theirs."""
+    import os
+    import time
+
+    import psutil
+
+    from radixflow.bench.harness import RssSampler
+
+    peer = tmp_path / "bench" / "peers.py"
+    peer.parent.mkdir()
+    peer.write_text("x = bytearray(400 << 20)\nimport time\ntime.sleep(2)\n")
+    own_mb = psutil.Process().memory_info().rss / 2**20
+    with RssSampler(os.getpid()) as rss:
+        time.sleep(0.2)
+        worker = subprocess.Popen([sys.executable, str(peer)])
+        time.sleep(1.6)  # a listing (once a second) sees it holding its memory
+        worker.wait(30)
+    assert rss.peak_mb < own_mb + 150
+    with RssSampler(os.getpid()) as counted:
+        time.sleep(0.2)
+        other = subprocess.Popen([sys.executable, "-c", peer.read_text()])
+        time.sleep(1.6)
+        other.wait(30)
+    assert counted.peak_mb > own_mb + 300  # the same child, not a peer's: counted
