@@ -63,13 +63,10 @@ class HttpTransport:
             return self._json("POST", "/generate", _generate_body(request), timeout)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
-        body, seen = {**_generate_body(request), "stream": True}, 0
+        body = {**_generate_body(request), "stream": True}
         with self.watcher.waiting(request.rid or "generate (streamed)") as call:
             for event in self._events("/generate", body, timeout):
-                meta = dict(event.get("meta_info") or {})
-                if "output_token_logprobs" in meta:  # the server's are cumulative
-                    meta["output_token_logprobs"] = meta["output_token_logprobs"][seen:]
-                    seen += len(meta["output_token_logprobs"])
+                meta = dict(event.get("meta_info") or {})  # logprob entries: incremental
                 call.tokens = len(event.get("output_ids", []))
                 yield {
                     "text": event.get("text", ""),

@@ -305,12 +305,13 @@ class HttpDoor:
     async def generate_stream(
         self, request: web.Request, sinks: list[Sink], batch: bool, text_in_logprobs: bool
     ) -> web.StreamResponse:
-        """SSE: one `data: {json}` per chunk (cumulative text, ids and logprobs, as SGLang
-        streams by default), each final result, then `data: [DONE]`. The events start with
-        the first reply: a request refused before its first token (a grammar that does not
-        compile) gets its error status, as an unstreamed one does."""
+        """SSE: one `data: {json}` per chunk, each final result, then `data: [DONE]`. Text and
+        output ids are cumulative; logprob entries are incremental (each event holds only the
+        tokens it adds, `output_token_logprobs_length` counts all so far), as SGLang streams
+        them. The events start with the first reply: a request refused before its first token
+        (a grammar that does not compile) gets its error status, as an unstreamed one does."""
         ids: list[list[int]] = [[] for _ in sinks]
-        logprobs: list[list[Any]] = [[] for _ in sinks]
+        sent = [0] * len(sinks)  # logprob entries streamed so far, per request
         async with contextlib.aclosing(self.replies(sinks)) as replies:
             first = await self.first_reply(replies)
             response = await self.sse(request)
@@ -322,14 +323,16 @@ class HttpDoor:
                 if isinstance(reply, Chunk):
                     ids[i] += reply.new_ids
                     meta = dict(reply.meta_info)
-                    if "output_token_logprobs" in meta:
-                        logprobs[i] += meta["output_token_logprobs"]
-                        meta["output_token_logprobs"] = list(logprobs[i])
+                    meta.setdefault("finish_reason", None)
                     data = {"text": reply.text, "output_ids": list(ids[i]), "meta_info": meta}
-                    data["meta_info"].setdefault("finish_reason", None)
-                    data = self.native(data, text_in_logprobs)
                 else:
-                    data = self.native(reply.data, text_in_logprobs)
+                    meta = dict(reply.data["meta_info"])
+                    for key in ("output_token_logprobs", "output_top_logprobs"):
+                        if key in meta:  # only the entries not streamed yet
+                            meta[key] = meta[key][sent[i] :]
+                    data = {**reply.data, "meta_info": meta}
+                sent[i] += len(meta.get("output_token_logprobs") or ())
+                data = self.native(data, text_in_logprobs)
                 if batch:
                     data["index"] = i
                 await self.event(response, data)

@@ -153,11 +153,12 @@ class FakeSglang(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for i in range(len(TOKENS)):
-            meta = {"finish_reason": None, "output_token_logprobs": ENTRIES[: i + 1]}
+        for i in range(len(TOKENS)):  # SGLang's stream: each event's own logprob entries
+            meta = {"finish_reason": None, "output_token_logprobs": ENTRIES[i : i + 1]}
             chunk = {"text": "abc"[: i + 1], "output_ids": [5, 6, 7][: i + 1], "meta_info": meta}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.write(f"data: {json.dumps(RESULT)}\n\ndata: [DONE]\n\n".encode())
+        final = {**RESULT, "meta_info": {**RESULT["meta_info"], "output_token_logprobs": []}}
+        self.wfile.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
 
 
 @pytest.fixture

@@ -164,7 +164,10 @@ def test_generate_logprobs_in_sglang_shape(http: httpx.Client) -> None:
     assert all(len(pos) == 3 and isinstance(pos[0][2], str) for pos in meta["output_top_logprobs"])
 
 
-def test_generate_stream_is_cumulative_and_ends_done(http: httpx.Client) -> None:
+def test_generate_stream_text_cumulative_logprobs_incremental(http: httpx.Client) -> None:
+    """Text and ids grow; each event's logprob entries are its own tokens only (SGLang's
+    form), `output_token_logprobs_length` counting all so far; together they are the
+    unstreamed answer's."""
     body = {
         "text": "Count: 1, 2,",
         "sampling_params": {**GREEDY, "max_new_tokens": 8},
@@ -181,9 +184,16 @@ def test_generate_stream_is_cumulative_and_ends_done(http: httpx.Client) -> None
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
     last = chunks[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(last["meta_info"]["output_token_logprobs"]) == 8
+    streamed = [e for c in chunks for e in c["meta_info"].get("output_token_logprobs", [])]
+    counted = 0
+    for chunk in chunks:
+        counted += len(chunk["meta_info"].get("output_token_logprobs", []))
+        assert chunk["meta_info"].get("output_token_logprobs_length", counted) == counted
     plain = http.post("/generate", json={**body, "stream": False}).json()
     assert last["text"] == plain["text"] and last["output_ids"] == plain["output_ids"]
+    assert [e[1] for e in streamed] == plain["output_ids"]
+    logprobs = [e[0] for e in plain["meta_info"]["output_token_logprobs"]]
+    assert [e[0] for e in streamed] == pytest.approx(logprobs, abs=1e-3)  # another run
 
 
 def test_info_health_flush_and_aliases(runtime: Server, http: httpx.Client) -> None:
@@ -279,7 +289,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int]] = [
     ("POST", CHAT, {"messages": MSGS, "stream_options": {"include_usage": "yes"}}, 400),
     ("POST", "/v1/completions", {"prompt": 5}, 400),
     ("POST", "/v1/completions", {"prompt": "a", "logprobs": 10}, 400),
-    ("POST", "/v1/completions", {"prompt": "a", "echo": True}, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "echo": True, "stream": True}, 400),
     ("GET", "/v1/models/gpt-9", None, 404),
 ]
 

@@ -19,6 +19,7 @@ DEFAULT = [
     ("stream", ()),
     ("regex", ()),
     ("dtype_gen", ()),
+    ("stream_logprobs", ()),  # each chunk's logprob entries are its own tokens only
 ]
 LONGER = [
     ("mt_bench", ()),
