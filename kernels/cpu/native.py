@@ -9,10 +9,10 @@ matmuls (3 query rows) and spent 515 us a layer at 85 keys where this loop takes
 ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
 
 - Built once per machine into a cache directory (`RADIXFLOW_CACHE`, else ~/.cache/radixflow),
-  keyed by the source, the compiler, its flags and the CPU's flags (-march=native). A
-  missing compiler, a failed build or `RADIXFLOW_NATIVE=0` leaves `library()` None, and
-  every caller keeps its torch path: the torch ops stay the reference, and the tests
-  (tests/kernels/cpu/test_native.py) hold these to them.
+  keyed by the source (and the files it includes), the compiler, its flags and the CPU's
+  flags (-march=native). A missing compiler, a failed build or `RADIXFLOW_NATIVE=0` leaves
+  `library()` None, and every caller keeps its torch path: the torch ops stay the reference,
+  and the tests (tests/kernels/cpu/test_native.py) hold these to them.
 - Threads: linked against the OpenMP runtime torch has loaded (libgomp, found by its
   soname), so both share one pool; each call passes torch's thread count. A torch without
   libgomp gets a single-threaded build.
@@ -89,9 +89,9 @@ def build(
     source: Path, name: str, flags: list[str], signatures: dict[str, tuple[object, list[object]]]
 ) -> ctypes.CDLL | None:
     """`source` compiled (with `flags` and the OpenMP flag) into `name`-<key>.so in the cache
-    directory, keyed by the source, the compiler, its flags and the CPU's flags, and loaded with
-    `signatures` ({function: (restype, argtypes)}) set; None where `RADIXFLOW_NATIVE=0`, no
-    compiler or a failed build (logged)."""
+    directory, keyed by the source and every file it includes (`sources`), the compiler, its
+    flags and the CPU's flags, and loaded with `signatures` ({function: (restype, argtypes)})
+    set; None where `RADIXFLOW_NATIVE=0`, no compiler or a failed build (logged)."""
     if os.environ.get("RADIXFLOW_NATIVE", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -104,9 +104,7 @@ def build(
             [compiler, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
         cpu = next((line for line in cpuinfo() if line.startswith("flags")), "")
-        texts = [source.read_text()]  # and the files it includes from its folder
-        for included in re.findall(r'^#include "([^"]+)"', texts[0], re.MULTILINE):
-            texts.append((source.parent / included).read_text())
+        texts = sources(source)
         key = hashlib.sha256("\0".join([*texts, compiler, version, *flags, cpu]).encode())
         key = key.hexdigest()[:16]
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
@@ -132,6 +130,25 @@ def build(
         function = getattr(lib, function_name)
         function.restype, function.argtypes = restype, argtypes
     return lib
+
+
+def sources(source: Path) -> list[str]:
+    """The text of `source` and of every file it includes (`#include "name"` at the start of a
+    line, found beside the including file), followed to any depth, each file once: what a build
+    is keyed by, so that an edit to any of them builds anew. Raises OSError where one cannot
+    be read."""
+    texts: list[str] = []
+    seen: set[Path] = set()
+    pending = [source]  # a stack: depth first, in include order
+    while pending:
+        path = pending.pop()
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        texts.append(path.read_text())
+        included = re.findall(r'^#include "([^"]+)"', texts[-1], re.MULTILINE)
+        pending.extend(path.parent / name for name in reversed(included))
+    return texts
 
 
 def cpuinfo() -> list[str]:

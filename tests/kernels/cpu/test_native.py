@@ -6,7 +6,9 @@ failed would leave every test here comparing torch with itself."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,27 @@ needs_lib = pytest.mark.skipif(
 def test_kernels_build_where_a_compiler_exists() -> None:
     if shutil.which("cc") is not None:
         assert LIB is not None, "kernels/cpu/native.c failed to build: see the log warning"
+
+
+@needs_lib
+def test_an_edit_to_a_nested_include_builds_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build is keyed by every file the source includes, to any depth (quant.c includes
+    quant_body.c, which includes the format families): keyed by the source and its direct
+    includes only, an edit two levels down would load the stale library."""
+    monkeypatch.setenv("RADIXFLOW_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "top.c").write_text('#include "mid.h"\nint rf_value(void) { return VALUE; }\n')
+    (tmp_path / "mid.h").write_text('#include "leaf.h"\n')
+    signatures = {"rf_value": (ctypes.c_int, [])}
+    values = []
+    for value in (1, 2):
+        (tmp_path / "leaf.h").write_text(f"#define VALUE {value}\n")
+        lib = native.build(tmp_path / "top.c", "nested", ["-O1", "-shared", "-fPIC"], signatures)
+        assert lib is not None, "the test library failed to build: see the log warning"
+        values.append(lib.rf_value())
+    assert values == [1, 2]
+    assert len(list((tmp_path / "cache" / "native").glob("nested-*.so"))) == 2
 
 
 def pooled_batch(
