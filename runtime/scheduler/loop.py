@@ -104,6 +104,7 @@ class SchedulerLoop:
             logprob_start_len=spec.logprob_start_len,
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,
+            pooling=spec.pooling,
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)
@@ -148,6 +149,7 @@ class SchedulerLoop:
             error=req.error,
             input_logprobs=req.input_logprobs,
             input_top_logprobs=req.input_top_logprobs,
+            embedding=req.embedding,
         )
 
     def _send_stats(self) -> None:
