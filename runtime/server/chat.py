@@ -209,14 +209,20 @@ def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
 
 
 def render(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None,
+    kwargs: dict,
+    add_generation_prompt: bool | None = None,  # None: unless the last turn is the assistant's
 ) -> str:
+    if add_generation_prompt is None:
+        add_generation_prompt = messages[-1]["role"] != "assistant"
     try:
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=messages[-1]["role"] != "assistant",
+            add_generation_prompt=add_generation_prompt,
             **kwargs,
         )
     except Exception as e:  # jinja raises its own errors for conversations it refuses
