@@ -56,6 +56,7 @@ from radixflow.runtime.models.loader import (
     resolve_model_dir,
 )
 from radixflow.runtime.protocol.limits import RequestLimits
+from radixflow.runtime.protocol.messages import POOLINGS
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
 from radixflow.runtime.scheduler.scheduler import Scheduler
@@ -67,6 +68,7 @@ from radixflow.runtime.tokenizer import (
 )
 
 log = logging.getLogger("radixflow.engine")
+PREFILL_ONLY = SamplingParams(max_new_tokens=0)
 
 
 @dataclass
@@ -381,6 +383,37 @@ class Engine:
             self.scheduler.step()
         results = [self.result(r) for r in reqs]
         return results[0] if single and len(results) == 1 else results
+
+    def encode(
+        self,
+        prompt: str | list[str] | list[int] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        pooling: str = "last",
+    ) -> Any:
+        """Embeddings (SGLang's `Engine.encode`): per prompt {"embedding": the final hidden
+        state after the final norm, pooled ("last" token or "mean"), L2-normalized, as floats;
+        "meta_info"}; one dict for one prompt, else a list. Each prompt is a prefill-only
+        request, batched like any prefill. Raises ValueError on bad input, RuntimeError if
+        the scheduler failed a request."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
+        for ids in id_lists:
+            self.limits.check(ids, None)
+        reqs = [
+            Req(f"engine-{next(self._ids)}", list(ids), PREFILL_ONLY, pooling=pooling)
+            for ids in id_lists
+        ]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while any(not r.finished for r in reqs):
+            self.scheduler.step()
+        failed = next((r.error or "no vector" for r in reqs if r.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"an embedding request failed: {failed}")
+        results = [{"embedding": r.embedding, "meta_info": r.meta_info()} for r in reqs]
+        return results[0] if single else results
 
     async def async_generate(
         self,

@@ -266,6 +266,7 @@ class ModelRunner:
             src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
             self.k_caches[:, dst] = self.k_caches[:, src]
             self.v_caches[:, dst] = self.v_caches[:, src]
+        hidden = None
         with torch.inference_mode():
             logits = self.graphs.replay(plan) if self.graphs is not None else None
             if logits is None:
@@ -275,7 +276,11 @@ class ModelRunner:
                 logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32
                 if self.split is not None:
                     self.split.stop()
-            return self._postprocess(logits, plan)
+                if batch.hidden_states is not None:
+                    hidden = batch.hidden_states.cpu().numpy()  # (H, hidden) fp32
+            result = self._postprocess(logits, plan)
+            result.hidden = hidden
+            return result
 
     def _postprocess(self, logits: torch.Tensor, plan: BatchPlan) -> StepResult:
         has = plan.logprob_targets >= 0  # (R,) host-side: no device sync to decide

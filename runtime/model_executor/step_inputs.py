@@ -29,6 +29,7 @@ BATCH_ARRAYS = (
     "decode_kv_indptr",
     "decode_kv_indices",
     "logit_rows",
+    "hidden_rows",
 )
 
 

@@ -152,6 +152,9 @@ class ForwardBatch:
     decode_kv_indptr: torch.Tensor  # (Bd+1,) full lengths including the new token
     decode_kv_indices: torch.Tensor
     logit_rows: torch.Tensor  # (R,) rows whose next-token logits are wanted
+    # (H,) rows whose final hidden state (after the final norm) is wanted: embeddings
+    hidden_rows: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None  # (H, hidden) fp32, set by the forward
     # backend index layouts, derived once per forward: {("extend" | "decode", window): layout}
     layouts: dict[tuple[str, int], Any] = field(default_factory=dict)
 
@@ -340,7 +343,9 @@ class CausalLM(nn.Module):
         k_caches: torch.Tensor | Sequence[torch.Tensor],
         v_caches: torch.Tensor | Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """Run the batch, store its K/V, return fp32 logits (R, vocab) of `batch.logit_rows`.
+        """Run the batch, store its K/V, return fp32 logits (R, vocab) of `batch.logit_rows`;
+        with `batch.hidden_rows`, also set `batch.hidden_states` (H, hidden) fp32: those rows
+        after the final norm (the LM head's input).
 
         k_caches/v_caches: (num_layers, num_slots, num_kv_heads, head_dim), or the layers'
         pools (num_slots, num_kv_heads, head_dim) in a sequence (views of one, made once).
@@ -362,10 +367,16 @@ class CausalLM(nn.Module):
                 hidden, layer_rope, batch, k_caches[i], v_caches[i], self.ops, residual
             )
         rows = batch.logit_rows
+        num_logit_rows = len(rows)
+        if batch.hidden_rows is not None and len(batch.hidden_rows):
+            rows = torch.cat([rows, batch.hidden_rows])  # one norm for the head and the pooling
         c = self.config
         _, hidden = add_rms_norm(
             hidden[rows], self.norm, c.rms_norm_eps, c.norm_offset, residual=residual[rows]
         )
+        if len(rows) > num_logit_rows:
+            batch.hidden_states = hidden[num_logit_rows:].float()  # (H, hidden)
+            hidden = hidden[:num_logit_rows]
         if self.quant_head is not None:
             logits = self.quant_head(hidden)
         else:

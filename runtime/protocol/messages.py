@@ -28,6 +28,11 @@ is global). A value the request cannot be served with (ranges, lengths, sampling
                   tokenized prefix; all continuations run as one batch of prefill-only requests
                   sharing the prefix through the radix cache.
     cache_prefix  text: prefill only (max_new_tokens = 0) so later requests hit the cache
+    embed         text (a list of strings) | input_ids (a list of id lists), exactly one, not
+                  empty; pooling "last" (default: the last token's hidden state) or "mean"
+                  (of every position's). Each input is one prefill-only request (checked
+                  against the context as a generate prompt is); all run as one batch, and
+                  with generate requests in the same steps
     abort         target_rid: finish that request wherever it is (queued, chunking,
                   decoding); idempotent, an unknown or finished rid is not an error
     status        target_rids: where each of those requests stands. A client waiting on a
@@ -60,6 +65,10 @@ Replies (server -> client), every one carrying the request's rid:
                           unconditionally, or after an empty prefix) reports 0.0. Aborted:
                           {"choices": [], "aborted": true}
             cache_prefix  {"meta_info": {...}}
+            embed         {"embeddings": [[float, ...], ...] (one per input, in order: the
+                          final hidden state after the model's final norm, pooled, L2-
+                          normalized), "prompt_tokens": [n, ...], "cached_tokens": [n, ...]}.
+                          Aborted: {"embeddings": [], "aborted": true}
             abort         {"aborted": bool}     flush_cache  {"flushed": bool}
             model_info    {"model", "model_path", "chat_template", "special_tokens",
                           "bos_token", "eos_token", "eos_token_ids", "context_length",
@@ -82,7 +91,8 @@ Server <-> scheduler (ipc, same envelope, never seen by clients):
         abort_requests (rids), flush (rid), shutdown
     scheduler -> server: scheduler_ready (model_info, pid) once at start, request_updates (a
         batch of ReqUpdate after each step: stream requests every step they produce tokens,
-        the others only when finished; new ids and logprobs are incremental), scheduler_stats
+        the others only when finished; new ids and logprobs are incremental; an embedding
+        request's final update carries its pooled vector), scheduler_stats
         (on becoming idle, with the idle leak check, a few times a second while busy, and
         ahead of every request_updates that finishes a request, so the stats a client reads
         after its final reply count that request),
@@ -97,6 +107,7 @@ from typing import Any, ClassVar
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
+POOLINGS = ("last", "mean")  # how an embed request pools its hidden states
 PING_INTERVAL_S = 1.0
 CLIENT_TIMEOUT_S = 6.0
 
@@ -156,6 +167,15 @@ class CachePrefix:
     TAG: ClassVar[str] = "cache_prefix"
     rid: str
     text: str
+
+
+@dataclass(frozen=True)
+class Embed:
+    TAG: ClassVar[str] = "embed"
+    rid: str
+    text: list[str] | None = None
+    input_ids: list[list[int]] | None = None
+    pooling: str = "last"
 
 
 @dataclass(frozen=True)
@@ -243,6 +263,7 @@ class ReqSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
+    pooling: str = ""  # an embedding request ("last" | "mean", prefill only); "" generates
 
 
 @dataclass(frozen=True)
@@ -259,6 +280,7 @@ class ReqUpdate:
     meta_info: dict[str, Any] | None = None
     input_logprobs: list[float | None] = field(default_factory=list)  # set when finished
     input_top_logprobs: list[Any] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, when finished
 
 
 @dataclass(frozen=True)
@@ -326,6 +348,7 @@ CLIENT_REQUESTS = (
     Generate,
     Score,
     CachePrefix,
+    Embed,
     Abort,
     FlushCache,
     ModelInfo,

@@ -42,6 +42,8 @@ class BatchPlan:
     sampled_logprobs: bool = True  # whether any sample row wants its token's logprob
     copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # CoW slots
     copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))
+    # extend rows whose final hidden state (after the final norm) embedding requests pool
+    hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # (H,)
 
     @property
     def num_tokens(self) -> int:
@@ -55,3 +57,4 @@ class StepResult:
     target_logprobs: np.ndarray  # (R,) logprob of logprob_targets (NaN where -1)
     top_logprobs: np.ndarray | None = None  # (R, k) values
     top_ids: np.ndarray | None = None  # (R, k)
+    hidden: np.ndarray | None = None  # (H, hidden_size) fp32: the plan's hidden_rows, normed

@@ -22,17 +22,19 @@ def build_plan(
     verifies: list[Req] | None = None,
 ) -> tuple[BatchPlan, list[Req]]:
     """The step's flat ragged batch: extend rows (each request's new tokens, after its
-    cached prefix), then the verify rows of speculating requests (their last token and
-    drafts, a logit row each), then one row per decode. Returns the plan and the requests
-    that sample once, in sample-row order; the verify rows sample after them, request by
-    request, 1 + len(draft_ids) rows each. Consumes each extend's pending copy-on-write."""
+    cached prefix; an embedding request's pooled rows listed in hidden_rows), then the verify
+    rows of speculating requests (their last token and drafts, a logit row each), then one
+    row per decode. Returns the plan and the requests that sample once, in sample-row order;
+    the verify rows sample after them, request by request, 1 + len(draft_ids) rows each.
+    Consumes each extend's pending copy-on-write."""
     input_ids, positions, out_slots = [], [], []
     qo, kv, kv_indices = [0], [0], []
     logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
-    copy_src, copy_dst = [], []
+    copy_src, copy_dst, hidden_rows = [], [], []
     row = 0
     for req in extends:
         start, end = req.kv_len, req.extend_target
+        hidden_rows += [row + p - start for p in req.hidden_positions(start, end)]
         fill = req.fill_ids
         input_ids.append(fill[start:end])
         positions.append(np.arange(start, end, dtype=I64))
@@ -98,6 +100,7 @@ def build_plan(
         sample_rows=np.asarray(sample_rows + verify_rows, I64),
         copy_src=cat(copy_src),
         copy_dst=cat(copy_dst),
+        hidden_rows=np.asarray(hidden_rows, I64),
     )
     # verify row j samples as a decode would after the first j drafts were accepted
     rows = [(r, 0) for r in sample_reqs]

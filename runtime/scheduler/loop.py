@@ -105,6 +105,7 @@ class SchedulerLoop:
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,
             priority=spec.priority,
+            pooling=spec.pooling,
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)
@@ -149,6 +150,7 @@ class SchedulerLoop:
             error=req.error,
             input_logprobs=req.input_logprobs,
             input_top_logprobs=req.input_top_logprobs,
+            embedding=req.embedding,
         )
 
     def _send_stats(self) -> None:

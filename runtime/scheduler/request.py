@@ -37,6 +37,7 @@ class Req:
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
     stream: bool = False
+    pooling: str = ""  # an embedding request: "last" | "mean" (prefill only); "" generates
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -71,6 +72,8 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    hidden_sum: np.ndarray | None = None  # pooled so far: the last row, or the sum (mean)
+    embedding: list[float] | None = None  # the pooled, L2-normalized vector, once finished
 
     @property
     def fill_ids(self) -> list[int]:
@@ -93,6 +96,8 @@ class Req:
     def max_prefix_len(self) -> int:
         """Longest prefix that may come from the cache: at least one token is computed, and
         every position whose input logprob is wanted is recomputed."""
+        if self.pooling == "mean":
+            return 0  # every position's hidden state is computed, none comes from the cache
         cap = self.seq_len - 1
         if self.wants_input_logprobs and not self.input_logprobs_done:
             cap = min(cap, max(self.logprob_start_len, 1) - 1)
@@ -104,6 +109,30 @@ class Req:
             return range(0)
         first = max(self.logprob_start_len, 1) - 1
         return range(max(start, first), min(end, len(self.input_ids) - 1))
+
+    def hidden_positions(self, start: int, end: int) -> range:
+        """Positions p in [start, end) whose final hidden state this request pools."""
+        if self.pooling == "mean":
+            return range(start, end)
+        if self.pooling == "last" and end == len(self.input_ids):
+            return range(end - 1, end)
+        return range(0)
+
+    def pool_hidden(self, rows: np.ndarray) -> None:
+        """Take this step's rows of `hidden_positions` (n, hidden_size), fp32."""
+        if not len(rows):
+            return
+        if self.pooling == "last":
+            self.hidden_sum = rows[-1].astype(np.float64)
+            return
+        total = rows.astype(np.float64).sum(0)
+        self.hidden_sum = total if self.hidden_sum is None else self.hidden_sum + total
+
+    def finish_embedding(self) -> None:
+        """The pooled vector, L2-normalized (the mean's divisor cancels in the norm)."""
+        assert self.hidden_sum is not None, f"{self.rid}: no hidden state was pooled"
+        norm = float(np.linalg.norm(self.hidden_sum))
+        self.embedding = (self.hidden_sum / max(norm, 1e-12)).tolist()
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)

@@ -273,7 +273,8 @@ class Scheduler:
                 np.asarray(req.fill_ids[: req.max_prefix_len], I64)
             )
             ids = np.asarray(req.fill_ids, dtype=I64)
-            if not self.tree.disabled and shares_uncached(ids, len(prefix), in_step):
+            reuses = not self.tree.disabled and req.pooling != "mean"  # mean reuses nothing
+            if reuses and shares_uncached(ids, len(prefix), in_step):
                 continue  # a request admitted this step computes that prefix; reuse it next step
             self.tree.lock(node)
             extend_len = req.seq_len - len(prefix)
@@ -329,6 +330,7 @@ class Scheduler:
     ) -> list[Req]:
         now = self.clock()
         self._store_input_logprobs(plan, result, extends)
+        self._pool_hidden(result, extends)
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
             req.kv_len = req.extend_target
@@ -344,6 +346,8 @@ class Scheduler:
             if self.chunked is req:
                 self.chunked = None
             if id(req) not in sampled:  # prefill-only (max_new_tokens == 0)
+                if req.pooling:
+                    req.finish_embedding()
                 self._finish(req, {"type": "length", "length": 0})
                 updated.append(req)
                 continue
@@ -400,6 +404,17 @@ class Scheduler:
             if end >= len(req.input_ids):
                 req.input_logprobs_done = True
             row += end - start
+
+    def _pool_hidden(self, result: StepResult, extends: list[Req]) -> None:
+        """Hand each embedding request its rows of `result.hidden` (the plan's hidden_rows,
+        in extend order, as build_plan laid them out)."""
+        row = 0
+        for req in extends:
+            count = len(req.hidden_positions(req.kv_len, req.extend_target))
+            if count:
+                assert result.hidden is not None, "the runner returned no hidden states"
+                req.pool_hidden(result.hidden[row : row + count])
+                row += count
 
     def _append_token(self, req: Req, token: int, logprob: float, now: float) -> None:
         reason = req.append_token(token, logprob, now, self.eos_token_ids)

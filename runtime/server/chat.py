@@ -250,15 +250,19 @@ def render(
     tools: list[Any] | None,
     kwargs: dict,
     prefill: bool = False,
+    add_generation_prompt: bool | None = None,
 ) -> str:
     """The prompt: the conversation and a new assistant turn, or (`prefill`) the last
-    assistant message left open to be continued."""
+    assistant message left open to be continued; `add_generation_prompt` False: the
+    conversation alone (/tokenize's)."""
+    if add_generation_prompt is None:
+        add_generation_prompt = not prefill
     try:
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
             tokenize=False,
-            add_generation_prompt=not prefill,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=prefill,
             **kwargs,
         )

@@ -36,6 +36,7 @@ from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
 from radixflow.runtime.server import reports
 from radixflow.runtime.server.cors import Cors
+from radixflow.runtime.server.embeddings_api import EmbeddingsRoutes
 from radixflow.runtime.server.http_request import (
     STATUS_OF_CODE,
     HttpError,
@@ -133,6 +134,7 @@ class HttpDoor:
             get("/metrics", self.metrics),
         ]
         self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        self.app.add_routes(EmbeddingsRoutes(self).routes())
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> str:
@@ -232,6 +234,14 @@ class HttpDoor:
         except ValueError as e:  # RequestError
             raise request_error(e) from e
         return sinks
+
+    async def ask(self, msg: Any) -> Any:
+        """The final data of one request message of any kind (score, embed); an error
+        reply raises as an HttpError."""
+        sink = Sink(msg.rid, asyncio.Event())
+        self.server.handle(sink, msg)
+        (data,) = await self.finals([sink])
+        return data
 
     async def replies(self, sinks: list[Sink]) -> AsyncIterator[tuple[int, Any]]:
         """(index, chunk or final reply) as they arrive. Leaving early (the client went away,

@@ -26,6 +26,11 @@ from radixflow.runtime.tokenizer import IncrementalDetokenizer, build_output, tr
 PREFILL_ONLY = SamplingParams(max_new_tokens=0)
 
 
+def embed_spec(ids: list[int], pooling: str) -> ReqSpec:
+    """A prefill-only request whose final update carries its pooled hidden state."""
+    return ReqSpec("", ids, PREFILL_ONLY, pooling=pooling)
+
+
 def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
     """A prefill-only request; input logprobs from `logprob_start_len` (-1: none)."""
     return ReqSpec(
@@ -172,6 +177,35 @@ class ScoreJob(Job):
                 }
             )
         return [Result(self.rid, {"choices": choices})]
+
+
+class EmbedJob(Job):
+    """embed: one prefill-only request per input; one result with every vector, in order."""
+
+    def __init__(self, identity: Any, rid: str) -> None:
+        super().__init__(identity, rid)
+        self.done: dict[str, ReqUpdate] = {}
+
+    def on_update(self, update: ReqUpdate) -> list[Any]:
+        if not update.finished:
+            return []
+        self.done[update.rid] = update
+        if len(self.done) < len(self.internal):
+            return []
+        updates = [self.done[rid] for rid in self.internal]
+        for u in updates:
+            failed = self.failure(u)
+            if failed is not None:
+                return [failed]
+        if any(u.embedding is None for u in updates):  # aborted by its client
+            return [Result(self.rid, {"embeddings": [], "aborted": True})]
+        metas = [u.meta_info or {} for u in updates]
+        data = {
+            "embeddings": [u.embedding for u in updates],
+            "prompt_tokens": [meta.get("prompt_tokens", 0) for meta in metas],
+            "cached_tokens": [meta.get("cached_tokens", 0) for meta in metas],
+        }
+        return [Result(self.rid, data)]
 
 
 def _logprobs(update: ReqUpdate, ids: list[int]) -> list[float]:

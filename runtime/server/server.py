@@ -38,10 +38,12 @@ from radixflow.runtime.protocol.messages import (
     ERROR_INVALID_REQUEST,
     ERROR_SHUTDOWN,
     ERROR_UNAVAILABLE,
+    POOLINGS,
     Abort,
     AbortRequests,
     AddRequests,
     CachePrefix,
+    Embed,
     Error,
     Flush,
     FlushCache,
@@ -67,10 +69,19 @@ from radixflow.runtime.protocol.transport import (
 )
 from radixflow.runtime.server import reports
 from radixflow.runtime.server.http_api import HttpDoor
-from radixflow.runtime.server.jobs import FlushJob, GenerateJob, Job, ScoreJob, prefill_spec
+from radixflow.runtime.server.jobs import (
+    EmbedJob,
+    FlushJob,
+    GenerateJob,
+    Job,
+    ScoreJob,
+    embed_spec,
+    prefill_spec,
+)
 from radixflow.runtime.server.metrics import Metrics, load_summary
 from radixflow.runtime.server.supervisor import SchedulerProcess
 from radixflow.runtime.server.validation import (
+    MAX_EMBED_INPUTS,
     MAX_JOBS_IN_FLIGHT,
     MAX_RID_LEN,
     MAX_TOP_LOGPROBS,
@@ -128,6 +139,7 @@ class Server:
             Generate: self._on_generate,
             Score: self._on_score,
             CachePrefix: self._on_cache_prefix,
+            Embed: self._on_embed,
             Abort: self._on_abort,
             FlushCache: self._on_flush,
             ModelInfo: self._on_report,
@@ -374,6 +386,24 @@ class Server:
         self._check_new(msg.rid)
         ids = self.rules.prompt_ids(msg.text, None)
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
+
+    def _on_embed(self, identity: Any, msg: Embed) -> None:
+        """One prefill-only request per input, sent as one add_requests; each input is
+        checked against the context exactly as a generate prompt is."""
+        self._check_new(msg.rid)
+        if msg.pooling not in POOLINGS:
+            raise RequestError(ERROR_INVALID_REQUEST, f"pooling must be one of {POOLINGS}")
+        if (msg.text is None) == (msg.input_ids is None):
+            raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
+        inputs = msg.text if msg.text is not None else msg.input_ids
+        if not inputs or len(inputs) > MAX_EMBED_INPUTS:
+            message = f"give 1 to {MAX_EMBED_INPUTS} inputs, got {len(inputs)}"
+            raise RequestError(ERROR_INVALID_REQUEST, message)
+        id_lists = [self.rules.encode(t) for t in msg.text] if msg.text is not None else inputs
+        for ids in id_lists:
+            self.rules.check_limits(ids, None)
+        self.counters["request_embed"] += len(id_lists)
+        self._dispatch(EmbedJob(identity, msg.rid), [embed_spec(i, msg.pooling) for i in id_lists])
 
     def _on_abort(self, identity: Any, msg: Abort) -> None:
         found = msg.target_rid in self.jobs

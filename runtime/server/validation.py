@@ -15,6 +15,7 @@ from radixflow.runtime.protocol.sampling import SamplingParams
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_TOP_LOGPROBS = 64
 MAX_RID_LEN = 256
+MAX_EMBED_INPUTS = 2048  # inputs of one embed request (OpenAI's own limit)
 MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
 
 

@@ -24,6 +24,8 @@ SAMPLES = [
     ),
     m.Score("s", prefix="Q: ", continuations=[" yes", " no"], unconditional=True),
     m.CachePrefix("c", text="shared prefix"),
+    m.Embed("e1", text=["a", "b"]),
+    m.Embed("e2", input_ids=[[1, 2], [3]], pooling="mean"),
     m.Abort("a", target_rid="g1"),
     m.FlushCache("f"),
     m.ModelInfo("mi"),
@@ -38,6 +40,7 @@ SAMPLES = [
         [
             m.ReqSpec("s1", [1, 2], SamplingParams(max_new_tokens=0), True, True, 1),
             m.ReqSpec("s2", [3], SamplingParams(stop=("a", "b"), stop_token_ids=(7,), seed=3)),
+            m.ReqSpec("s4", [4, 5], SamplingParams(max_new_tokens=0), pooling="mean"),
         ]
     ),
     m.AbortRequests(["s1", "s2"], message="client disconnected"),
@@ -56,6 +59,7 @@ SAMPLES = [
                 meta_info={"id": "s2"},
                 input_logprobs=[None, -2.5],
             ),
+            m.ReqUpdate("s4", [], finished=True, embedding=[0.6, -0.8]),
         ]
     ),
     m.SchedulerStats({"free_slots": 10}, idle_check="ok"),

@@ -43,6 +43,11 @@ BODIES = {
     "/radixflow/score": {"prefix": "Yes or no:", "continuations": [" yes", " no"]},
     "/abort_request": {"rid": "no-such-request"},
     "/concate_and_append_request": {"src_rids": ["a"], "dst_rid": "b"},
+    "/v1/embeddings": {"model": "default", "input": "Hi"},
+    "/api/embed": {"model": "default", "input": "Hi"},
+    "/api/embeddings": {"model": "default", "prompt": "Hi"},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [1, 2]},
 }
 Call = Callable[[str, str, dict[str, str]], Awaitable[int]]
 
