@@ -1,6 +1,7 @@
 """The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
 frontend, scripts and router work unchanged), the OpenAI-compatible routes
-(runtime/server/openai_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
+(runtime/server/openai_api.py), Anthropic's Messages API (runtime/server/anthropic_api.py) and
+`/metrics`, served by aiohttp on the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
 (`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
@@ -12,7 +13,8 @@ handler's exit aborts whatever it still had in flight: its KV is freed at the sc
 step. Bodies are limited to `max_message_bytes` (413). With an API key every route but
 `/health` wants `Authorization: Bearer <key>` (401); the one `guard` middleware enforces it for
 every route the app has. While the server drains (SIGTERM) requests it refuses get 503 with
-Retry-After. Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+Retry-After. Errors are OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, or
+the shape of the door a path belongs to (`error_shapes`: Anthropic's under /v1/messages).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from aiohttp import web
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
 from radixflow.runtime.server import reports
+from radixflow.runtime.server.anthropic_api import AnthropicRoutes
 from radixflow.runtime.server.http_request import (
     STATUS_OF_CODE,
     HttpError,
@@ -125,7 +128,7 @@ class HttpDoor:
             post("/radixflow/score", self.score),
             get("/metrics", self.metrics),
         ]
-        self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        self.app.add_routes(routes + OpenAiRoutes(self).routes() + AnthropicRoutes(self).routes())
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> str:
