@@ -1,6 +1,7 @@
 """The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
 frontend, scripts and router work unchanged), the OpenAI-compatible routes
-(runtime/server/openai_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
+(runtime/server/openai_api.py), Anthropic's Messages API (runtime/server/anthropic_api.py) and
+`/metrics`, served by aiohttp on the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
 (`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
@@ -15,7 +16,7 @@ middleware enforces it for every route the app has, and counts every answer per 
 /metrics. Browser pages of the allowed origins may call it (CORS: cors.py). While the server
 drains (SIGTERM) requests it refuses get 503 with Retry-After. Errors are in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}` unless the door of the path has its own
-(`error_shapes`).
+(`error_shapes`: Anthropic's under /v1/messages).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from aiohttp import web
 from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Chunk, Error, FlushCache, Generate, Result, Score
 from radixflow.runtime.server import reports
+from radixflow.runtime.server.anthropic_api import AnthropicRoutes
 from radixflow.runtime.server.cors import Cors
 from radixflow.runtime.server.embeddings_api import EmbeddingsRoutes
 from radixflow.runtime.server.http_request import (
@@ -133,7 +135,7 @@ class HttpDoor:
             post("/radixflow/score", self.score),
             get("/metrics", self.metrics),
         ]
-        self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        self.app.add_routes(routes + OpenAiRoutes(self).routes() + AnthropicRoutes(self).routes())
         self.app.add_routes(EmbeddingsRoutes(self).routes())
         self.runner: web.AppRunner | None = None
 

@@ -40,6 +40,15 @@ BODIES = {
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 1,
     },
+    "/v1/messages": {
+        "model": "default",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Hi"}],
+    },
+    "/v1/messages/count_tokens": {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Hi"}],
+    },
     "/radixflow/score": {"prefix": "Yes or no:", "continuations": [" yes", " no"]},
     "/abort_request": {"rid": "no-such-request"},
     "/concate_and_append_request": {"src_rids": ["a"], "dst_rid": "b"},
@@ -148,6 +157,7 @@ def test_every_route_wants_the_key_but_health(url: str) -> None:
     # the table is the app's: SGLang's, OpenAI's and our own routes are all in it
     assert {"/generate", "/health", "/health_generate", "/metrics"} <= paths
     assert {"/v1/chat/completions", "/v1/models/x", "/radixflow/score"} <= paths
+    assert {"/v1/messages", "/v1/messages/count_tokens"} <= paths
     assert asyncio.run(walk_live(url, routes)) == []
 
 
