@@ -1,6 +1,7 @@
 """The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
 frontend, scripts and router work unchanged), the OpenAI-compatible routes
-(runtime/server/openai_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
+(runtime/server/openai_api.py; the Responses API in responses_api.py) and `/metrics`, served by
+aiohttp on the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
 (`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
@@ -48,6 +49,7 @@ from radixflow.runtime.server.http_request import (
 )
 from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.openai_api import OpenAiRoutes
+from radixflow.runtime.server.responses_api import ResponsesRoutes
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -125,7 +127,7 @@ class HttpDoor:
             post("/radixflow/score", self.score),
             get("/metrics", self.metrics),
         ]
-        self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        self.app.add_routes(routes + OpenAiRoutes(self).routes() + ResponsesRoutes(self).routes())
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> str:
