@@ -49,6 +49,7 @@ BODIES = {
         "model": "default",
         "messages": [{"role": "user", "content": "Hi"}],
     },
+    "/v1/responses": {"model": "default", "input": "Hi", "max_output_tokens": 1},
     "/radixflow/score": {"prefix": "Yes or no:", "continuations": [" yes", " no"]},
     "/abort_request": {"rid": "no-such-request"},
     "/concate_and_append_request": {"src_rids": ["a"], "dst_rid": "b"},
