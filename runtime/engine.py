@@ -49,6 +49,7 @@ from radixflow.runtime.model_executor.model_runner import (
     pick_dtype,
 )
 from radixflow.runtime.model_executor.threads import ThreadGovernor
+from radixflow.runtime.models.card import model_card
 from radixflow.runtime.models.layers import CausalLM
 from radixflow.runtime.models.loader import load_hf_config, resolve_model_dir
 from radixflow.runtime.protocol.limits import RequestLimits
@@ -187,6 +188,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attention_backend": model.ops.name,
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
+        "card": model_card(model_dir, hf_config),  # what the weights are (Ollama's listings)
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

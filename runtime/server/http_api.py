@@ -1,6 +1,7 @@
 """The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
 frontend, scripts and router work unchanged), the OpenAI-compatible routes
-(runtime/server/openai_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
+(runtime/server/openai_api.py), Ollama's (ollama_api.py) and `/metrics`, served by aiohttp on
+the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
 (`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
@@ -51,6 +52,7 @@ from radixflow.runtime.server.http_request import (
     typed,
 )
 from radixflow.runtime.server.metrics import CONTENT_TYPE
+from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
@@ -132,7 +134,8 @@ class HttpDoor:
             post("/radixflow/score", self.score),
             get("/metrics", self.metrics),
         ]
-        self.app.add_routes(routes + OpenAiRoutes(self).routes())
+        openai = OpenAiRoutes(self)
+        self.app.add_routes(routes + openai.routes() + OllamaRoutes(self, openai).routes())
         self.runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> str:

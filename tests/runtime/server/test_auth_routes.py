@@ -41,6 +41,14 @@ BODIES = {
         "max_tokens": 1,
     },
     "/radixflow/score": {"prefix": "Yes or no:", "continuations": [" yes", " no"]},
+    "/api/chat": {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": False,
+        "options": {"num_predict": 1},
+    },
+    "/api/generate": {"model": "default", "prompt": "Hi", "options": {"num_predict": 1}},
+    "/api/show": {"model": "default"},
     "/abort_request": {"rid": "no-such-request"},
     "/concate_and_append_request": {"src_rids": ["a"], "dst_rid": "b"},
 }
