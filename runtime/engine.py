@@ -49,6 +49,7 @@ from radixflow.runtime.model_executor.model_runner import (
     pick_dtype,
 )
 from radixflow.runtime.model_executor.threads import ThreadGovernor
+from radixflow.runtime.models.card import model_card
 from radixflow.runtime.models.layers import CausalLM
 from radixflow.runtime.models.loader import (
     load_hf_config,
@@ -197,6 +198,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "sampling_defaults": (
             model_sampling_defaults(model_dir) if config.sampling_defaults == "model" else {}
         ),
+        "card": model_card(model_dir, hf_config),  # what the weights are (Ollama's listings)
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 
