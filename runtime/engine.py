@@ -3,224 +3,34 @@
     with Engine(model="smollm2") as engine:
         out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
 
-`build_scheduler` is shared with the server's scheduler process (runtime/scheduler/loop.py),
-so both run the same code.
+The model and its scheduler come from runtime/launch.py, which the server's scheduler process
+uses too, so both run the same code.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import dataclasses
-import functools
 import itertools
-import json
 import logging
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from radixflow.runtime import models
-from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig, config_from_kwargs, fixed_threads
-from radixflow.runtime.constrained.grammar import GrammarBackend
-from radixflow.runtime.constrained.llg_backend import LlgBackend
-from radixflow.runtime.constrained.triggered import TriggeredBackend
-from radixflow.runtime.distributed.tensor_parallel import start_rank0
-from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
-from radixflow.runtime.model_executor.kv_sizing import (
-    GIB,
-    MemoryPlan,
-    kv_pool_dtype,
-    plan_memory,
-    size_kv_pool,
-)
-from radixflow.runtime.model_executor.model_runner import (
-    ModelRunner,
-    load_model,
-    pick_device,
-    pick_dtype,
-)
-from radixflow.runtime.model_executor.threads import ThreadGovernor
-from radixflow.runtime.models.card import model_card
-from radixflow.runtime.models.layers import CausalLM
-from radixflow.runtime.models.loader import (
-    load_hf_config,
-    model_sampling_defaults,
-    resolve_model_dir,
-)
+from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.launch import LoadedModel, build_scheduler
 from radixflow.runtime.protocol.limits import RequestLimits
 from radixflow.runtime.protocol.messages import POOLINGS
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
-from radixflow.runtime.scheduler.scheduler import Scheduler
 from radixflow.runtime.tokenizer import (
     IncrementalDetokenizer,
     build_output,
-    eos_token_ids,
-    load_tokenizer,
 )
 
 log = logging.getLogger("radixflow.engine")
 PREFILL_ONLY = SamplingParams(max_new_tokens=0)
-
-
-@dataclass
-class ModelBundle:
-    scheduler: Scheduler
-    tokenizer: PreTrainedTokenizerBase
-    model_info: dict[str, Any]
-    loaded: LoadedModel
-    load_seconds: float
-
-
-@dataclass
-class LoadedModel:
-    model: CausalLM
-    tokenizer: PreTrainedTokenizerBase
-    model_dir: Path
-    hf_config: dict[str, Any]
-    tp: Any = None  # tensor_parallel.TensorParallel of rank 0 with --tp-size > 1
-    memory: MemoryPlan | None = None  # planned before the weights were read
-
-
-def load(config: ServerConfig) -> LoadedModel:
-    """Resolve (converting once), plan the memory (raising MemoryBudgetError before any
-    weight is read when the model and its pool cannot fit) and load the model and tokenizer."""
-    if fixed_threads(config):
-        torch.set_num_threads(fixed_threads(config))
-    model_dir = resolve_model_dir(config.model_path, config.revision)
-    tokenizer = load_tokenizer(model_dir, config.chat_template)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
-    model_config = models.model_config(load_hf_config(model_dir))
-    memory, planned = plan_memory(config, model_dir, model_config, device, dtype)
-    log.info(
-        "memory: %.2f GiB %s at start, weights about %.2f GiB, reserve %.2f GiB: planning a "
-        "KV pool of %s tokens; loading the weights",
-        memory.available / GIB, memory.where, memory.weights / GIB, memory.reserve / GIB,
-        f"{planned.num_tokens:,}",
-    )  # fmt: skip
-    if config.tp_size > 1:  # torch.distributed only on this path
-        model, tp = start_rank0(config, model_dir)
-        return LoadedModel(model, tokenizer, model_dir, hf_config, tp, memory)
-    model = load_model(model_dir, config, device, dtype)
-    release_free_heap()
-    return LoadedModel(model, tokenizer, model_dir, hf_config, None, memory)
-
-
-def release_free_heap() -> None:
-    """Hand the heap memory the load freed back to the OS (glibc keeps freed blocks under
-    its mmap threshold mapped: 0.5 GiB of a 7B load's transient copies stayed resident)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def governor(config: ServerConfig, device: Any, tensor_parallel: bool) -> ThreadGovernor | None:
-    """`--num-threads auto` on a CPU without tensor parallelism: the thread count follows
-    the cores other processes leave free, up to the count at start."""
-    if config.num_threads != "auto" or getattr(device, "type", "") != "cpu" or tensor_parallel:
-        return None
-    return ThreadGovernor(torch.get_num_threads())
-
-
-def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> ModelBundle:
-    """Load tokenizer and model (unless given), size the KV pool, wire the scheduler."""
-    start = time.perf_counter()
-    loaded = loaded or load(config)
-    model, tokenizer, model_dir, hf_config = (
-        loaded.model,
-        loaded.tokenizer,
-        loaded.model_dir,
-        loaded.hf_config,
-    )
-    device = next(model.parameters()).device
-    if config.context_length > model.config.max_position:
-        raise ValueError(
-            f"context_length {config.context_length} exceeds the model's "
-            f"{model.config.max_position} (max_position_embeddings); it can only cap it"
-        )
-    context_len = config.context_length or model.config.max_position
-    sizing = size_kv_pool(config, model, device, loaded.memory)
-    num_tokens = sizing.num_tokens
-    if loaded.tp is not None:  # every rank's pool has the same slots
-        num_tokens = loaded.tp.agree_min(num_tokens)
-    pool = KVPool(num_tokens, config.page_size)
-    runner = ModelRunner(
-        model,
-        pool.num_slots,
-        seed=config.seed,
-        shared_prefix=not config.disable_shared_prefix_attention,
-        cuda_graph_max_bs=graph_max_bs(config, model),
-        max_kv_len=context_len,
-        prefault=not config.disable_kv_prefault,
-        governor=governor(config, device, loaded.tp is not None),
-        kv_dtype=kv_pool_dtype(sizing),
-    )
-    if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
-        runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
-    eos = eos_token_ids(tokenizer, hf_config)
-    scheduler = Scheduler(
-        config,
-        runner,
-        pool,
-        eos_token_ids=eos,
-        context_len=context_len,
-        vocab_size=model.config.vocab_size,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        grammars=_grammar_backend(config, tokenizer, model.config.vocab_size, eos),
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-    )
-    info = {
-        "model": config.served_model_name or config.model_path,
-        "model_path": str(model_dir),
-        "context_length": context_len,
-        "vocab_size": model.config.vocab_size,
-        "eos_token_ids": list(eos),
-        "chat_template": tokenizer.chat_template,
-        "special_tokens": list(tokenizer.all_special_tokens),
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "device": str(device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "attention_backend": model.ops.name,
-        "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
-        # what a request leaves unset samples with (--sampling-defaults)
-        "sampling_defaults": (
-            model_sampling_defaults(model_dir) if config.sampling_defaults == "model" else {}
-        ),
-        "card": model_card(model_dir, hf_config),  # what the weights are (Ollama's listings)
-    }
-    return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
-
-
-def _grammar_backend(
-    config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
-) -> Any:
-    """The configured backend, taking structural tags (triggered constraints) too."""
-    whitespace = config.grammar_whitespace or None
-    if config.grammar_backend == "llguidance":
-        backend: Any = LlgBackend(tokenizer, vocab_size, eos, whitespace)
-        backend.prepare()  # the vocabulary view, while the model warms up
-    else:
-        backend = GrammarBackend(
-            tokenizer,
-            vocab_size,
-            eos,
-            whitespace,
-            max_workers=config.grammar_workers,
-            timeout_s=config.grammar_timeout_s,
-        )
-    return TriggeredBackend(backend, tokenizer, vocab_size, eos, whitespace)
 
 
 def _is_id_list(value: Any) -> bool:

@@ -3,7 +3,7 @@
     python -m radixflow.runtime scheduler --ipc-dir DIR --parent-pid PID --config-json JSON
 
 The server (runtime/server/server.py) spawns it; the protocol between them is in messages.py. The
-scheduler and model are wired exactly as for the offline Engine (`engine.build_scheduler`).
+scheduler and model are wired exactly as for the offline Engine (`launch.build_scheduler`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from radixflow.runtime.config import ServerConfig
-from radixflow.runtime.engine import build_scheduler
+from radixflow.runtime.launch import build_scheduler
 from radixflow.runtime.protocol.messages import (
     TO_SCHEDULER,
     AbortRequests,

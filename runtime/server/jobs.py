@@ -42,6 +42,20 @@ def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
     )
 
 
+def generate_spec(msg: Generate, ids: list[int], sampling: SamplingParams) -> ReqSpec:
+    """The scheduler request of a checked generate message."""
+    return ReqSpec(
+        "",
+        ids,
+        sampling,
+        stream=msg.stream,
+        return_logprob=msg.return_logprob,
+        logprob_start_len=msg.logprob_start_len,
+        top_logprobs_num=msg.top_logprobs_num,
+        priority=msg.priority,
+    )
+
+
 class Job:
     """A client request in flight: its scheduler rids and how their updates become replies.
 

@@ -32,6 +32,7 @@ from radixflow.runtime.server.http_request import (
     response_format,
     typed,
 )
+from radixflow.runtime.server.openai_shapes import echoed, finish, logprobs_of, usage_of
 
 COMMON = {
     "model",
@@ -367,11 +368,11 @@ class OpenAiRoutes:
                 choice["text"] = (echoes[i] if echoes else "") + data["text"]
             if echoes and "input_token_logprobs" in meta:
                 meta = echoed(meta)
-            choice["logprobs"] = self.logprobs(meta, msgs[i], chat)
+            choice["logprobs"] = logprobs_of(meta, msgs[i], chat, self.door.token_texts)
             choice.update(finish(meta, calls))
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        usage = self.usage([f["meta_info"] for f in finals], msgs)
+        usage = usage_of([f["meta_info"] for f in finals], msgs)
         return web.json_response({**head, "object": obj, "choices": choices, "usage": usage})
 
     async def stream(
@@ -407,7 +408,11 @@ class OpenAiRoutes:
                 choice: dict[str, Any] = {"index": i}
                 choice["delta" if chat else "text"] = delta
                 first, last = j == 0, j == len(deltas) - 1
-                choice["logprobs"] = self.logprobs(meta, msgs[i], chat) if meta and first else None
+                choice["logprobs"] = (
+                    logprobs_of(meta, msgs[i], chat, self.door.token_texts)
+                    if meta and first
+                    else None
+                )
                 choice["finish_reason"] = None
                 if final is not None and last:
                     choice.update(finish(final, bool(chat and chats[i].calls)))
@@ -449,82 +454,8 @@ class OpenAiRoutes:
                 streamed[i] += len(meta.get("output_token_logprobs") or ())
                 await send(i, text, meta, final)
         if include_usage and all(metas):
-            usage = self.usage(metas, msgs)
+            usage = usage_of(metas, msgs)
             await self.door.event(response, {**head, "object": obj, "choices": [], "usage": usage})
         await self.door.event(response, "[DONE]")
         await response.write_eof()
         return response
-
-    def logprobs(self, meta: dict[str, Any], msg: Generate | None, chat: bool) -> Any:
-        if msg is None or not msg.return_logprob or "output_token_logprobs" not in meta:
-            return None
-        entries = meta["output_token_logprobs"]
-        ids = [e[1] for e in entries]
-        texts = self.door.token_texts(ids)
-        tops = meta.get("output_top_logprobs") or [[] for _ in entries]
-        top_texts = [self.door.token_texts([t for _, t in top or ()]) for top in tops]
-        if chat:
-            content = []
-            for (lp, _, _), text, top, names in zip(entries, texts, tops, top_texts):
-                content.append(
-                    {
-                        "token": text,
-                        "logprob": lp,
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {"token": s, "logprob": tlp, "bytes": list(s.encode())}
-                            for (tlp, _), s in zip(top, names)
-                        ],
-                    }
-                )
-            return {"content": content}
-        offsets, at = [], 0
-        for text in texts:
-            offsets.append(at)
-            at += len(text)
-        return {
-            "tokens": texts,
-            "token_logprobs": [e[0] for e in entries],
-            "top_logprobs": [
-                None if top is None else {s: tlp for (tlp, _), s in zip(top, names)}
-                for top, names in zip(tops, top_texts)
-            ],
-            "text_offset": offsets,
-        }
-
-    def usage(self, metas: list[dict[str, Any]], msgs: list[Any]) -> dict[str, Any]:
-        """Prompt tokens once per prompt (its n choices share it); cached tokens of a prompt
-        are the least any of its choices found cached (what was there before this request)."""
-        by_prompt: dict[int, list[dict[str, Any]]] = {}
-        for meta, msg in zip(metas, msgs):
-            key = id(msg.input_ids) if msg is not None else id(meta)
-            by_prompt.setdefault(key, []).append(meta)
-        prompt = sum(group[0]["prompt_tokens"] for group in by_prompt.values())
-        cached = sum(min(m.get("cached_tokens", 0) for m in group) for group in by_prompt.values())
-        completion = sum(m["completion_tokens"] for m in metas)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-
-def finish(meta: dict[str, Any], tool_calls: bool = False) -> dict[str, Any]:
-    reason = meta.get("finish_reason") or {}
-    matched = reason.get("matched")
-    kind = "tool_calls" if tool_calls else reason.get("type")
-    return {"finish_reason": kind, "matched_stop": matched}
-
-
-def echoed(meta: dict[str, Any]) -> dict[str, Any]:
-    """A completion's meta with its prompt's logprob entries ahead of its output's (echo):
-    the first prompt token has no logprob (nothing comes before it), so None and no top."""
-    tops_in = meta.get("input_top_logprobs")
-    tops_out = meta.get("output_top_logprobs")
-    out = dict(meta)
-    out["output_token_logprobs"] = meta["input_token_logprobs"] + meta["output_token_logprobs"]
-    if tops_in is not None or tops_out is not None:
-        tops = list(tops_in or [[]] * len(meta["input_token_logprobs"])) + list(tops_out or [])
-        out["output_top_logprobs"] = [None, *tops[1:]]
-    return out

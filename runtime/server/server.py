@@ -38,7 +38,6 @@ from radixflow.runtime.protocol.messages import (
     ERROR_INVALID_REQUEST,
     ERROR_SHUTDOWN,
     ERROR_UNAVAILABLE,
-    POOLINGS,
     Abort,
     AbortRequests,
     AddRequests,
@@ -62,11 +61,7 @@ from radixflow.runtime.protocol.messages import (
     Stats,
     Status,
 )
-from radixflow.runtime.protocol.sampling import with_defaults
-from radixflow.runtime.protocol.transport import (
-    TransportError,
-    is_loopback,
-)
+from radixflow.runtime.protocol.transport import TransportError, is_loopback
 from radixflow.runtime.server import reports
 from radixflow.runtime.server.http_api import HttpDoor
 from radixflow.runtime.server.jobs import (
@@ -76,15 +71,14 @@ from radixflow.runtime.server.jobs import (
     Job,
     ScoreJob,
     embed_spec,
+    generate_spec,
     prefill_spec,
 )
 from radixflow.runtime.server.metrics import Metrics, load_summary
 from radixflow.runtime.server.supervisor import SchedulerProcess
 from radixflow.runtime.server.validation import (
-    MAX_EMBED_INPUTS,
     MAX_JOBS_IN_FLIGHT,
     MAX_RID_LEN,
-    MAX_TOP_LOGPROBS,
     RequestError,
     RequestRules,
 )
@@ -338,34 +332,9 @@ class Server:
 
     def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
-        ids = self.rules.prompt_ids(msg.text, msg.input_ids)
-        params, defaults = with_defaults(msg.sampling_params, self.model_info)
-        sampling = self.rules.sampling(params)
-        self.rules.check_limits(ids, sampling)
-        if not -1 <= msg.logprob_start_len < len(ids):
-            raise RequestError(
-                ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
-            )
-        if msg.priority and not self.config.enable_priority_scheduling:
-            raise RequestError(
-                ERROR_INVALID_REQUEST, "priority needs the server's --enable-priority-scheduling"
-            )
-        if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
-            )
+        ids, sampling, defaults = self.rules.generate(msg)
         job = GenerateJob(identity, msg, ids, sampling, self.tokenizer, defaults)
-        spec = ReqSpec(
-            "",
-            ids,
-            sampling,
-            stream=msg.stream,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            priority=msg.priority,
-        )
-        return job, spec
+        return job, generate_spec(msg, ids, sampling)
 
     def _on_score(self, identity: Any, msg: Score) -> None:
         self._check_new(msg.rid)
@@ -388,20 +357,9 @@ class Server:
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
 
     def _on_embed(self, identity: Any, msg: Embed) -> None:
-        """One prefill-only request per input, sent as one add_requests; each input is
-        checked against the context exactly as a generate prompt is."""
+        """One prefill-only request per input, sent as one add_requests."""
         self._check_new(msg.rid)
-        if msg.pooling not in POOLINGS:
-            raise RequestError(ERROR_INVALID_REQUEST, f"pooling must be one of {POOLINGS}")
-        if (msg.text is None) == (msg.input_ids is None):
-            raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
-        inputs = msg.text if msg.text is not None else msg.input_ids
-        if not inputs or len(inputs) > MAX_EMBED_INPUTS:
-            message = f"give 1 to {MAX_EMBED_INPUTS} inputs, got {len(inputs)}"
-            raise RequestError(ERROR_INVALID_REQUEST, message)
-        id_lists = [self.rules.encode(t) for t in msg.text] if msg.text is not None else inputs
-        for ids in id_lists:
-            self.rules.check_limits(ids, None)
+        id_lists = self.rules.embed_inputs(msg)
         self.counters["request_embed"] += len(id_lists)
         self._dispatch(EmbedJob(identity, msg.rid), [embed_spec(i, msg.pooling) for i in id_lists])
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.limits import RequestLimits
-from radixflow.runtime.protocol.messages import ERROR_INVALID_REQUEST
-from radixflow.runtime.protocol.sampling import SamplingParams
+from radixflow.runtime.protocol.messages import ERROR_INVALID_REQUEST, POOLINGS, Embed, Generate
+from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_TOP_LOGPROBS = 64
@@ -66,3 +66,40 @@ class RequestRules:
             limits.check(ids, sampling)
         except ValueError as e:
             raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
+
+    def generate(self, msg: Generate) -> tuple[list[int], SamplingParams, dict[str, Any]]:
+        """(prompt ids, sampling with the model's defaults for what it leaves unset, those
+        defaults) of a generate request, every field checked."""
+        ids = self.prompt_ids(msg.text, msg.input_ids)
+        params, defaults = with_defaults(msg.sampling_params, self.model_info)
+        sampling = self.sampling(params)
+        self.check_limits(ids, sampling)
+        if not -1 <= msg.logprob_start_len < len(ids):
+            raise RequestError(
+                ERROR_INVALID_REQUEST, f"logprob_start_len must be in [-1, {len(ids)})"
+            )
+        if msg.priority and not self.config.enable_priority_scheduling:
+            raise RequestError(
+                ERROR_INVALID_REQUEST, "priority needs the server's --enable-priority-scheduling"
+            )
+        if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
+            )
+        return ids, sampling, defaults
+
+    def embed_inputs(self, msg: Embed) -> list[list[int]]:
+        """The ids of an embed request's inputs, each checked against the context exactly as
+        a generate prompt is."""
+        if msg.pooling not in POOLINGS:
+            raise RequestError(ERROR_INVALID_REQUEST, f"pooling must be one of {POOLINGS}")
+        if (msg.text is None) == (msg.input_ids is None):
+            raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
+        inputs = msg.text if msg.text is not None else msg.input_ids
+        if not inputs or len(inputs) > MAX_EMBED_INPUTS:
+            message = f"give 1 to {MAX_EMBED_INPUTS} inputs, got {len(inputs)}"
+            raise RequestError(ERROR_INVALID_REQUEST, message)
+        id_lists = [self.encode(t) for t in msg.text] if msg.text is not None else inputs
+        for ids in id_lists:
+            self.check_limits(ids, None)
+        return id_lists

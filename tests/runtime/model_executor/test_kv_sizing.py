@@ -15,7 +15,7 @@ import torch
 
 from radixflow import Runtime
 from radixflow.runtime import Engine
-from radixflow.runtime import engine as engine_module
+from radixflow.runtime import launch as launch_module
 from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
 from radixflow.runtime.model_executor.kv_sizing import (
     AUTO_SHARE,
@@ -145,7 +145,7 @@ def test_engine_refuses_before_reading_any_weight(monkeypatch) -> None:
     def no_load(*args, **kwargs):
         raise AssertionError("weights were read before the memory check")
 
-    monkeypatch.setattr(engine_module, "load_model", no_load)
+    monkeypatch.setattr(launch_module, "load_model", no_load)
     monkeypatch.setenv(ENV_AVAILABLE, "2G")
     with pytest.raises(MemoryBudgetError, match="--max-total-tokens 1,000,000"):
         Engine(model="smollm2", max_total_tokens=1_000_000)
