@@ -263,3 +263,23 @@ def test_a_stop_token_inside_a_jump_ends_it_there() -> None:
     run_all(sched)
     assert req.output_ids == [forced_token(i) for i in range(5)]
     assert req.finish_reason == {"type": "stop", "matched": forced_token(4)}
+
+
+def test_jumped_tokens_found_in_the_tree_are_still_scored() -> None:
+    """A second identical request jumps the same text before its prefill, and the tree holds
+    that text's KV already (the first one's): its logprobs are computed, not skipped."""
+    sched, _ = make_scheduler()
+    sched.runner, sched.grammars = MaskedRunner(), FakeGrammars()
+    reqs = [make_req(f"twin{i}", [3, 1, 4, 1, 5], 30, regex="8,5,30") for i in range(2)]
+    for req in reqs:
+        req.return_logprob = True
+    sched.add_request(reqs[0])
+    for _ in range(3):
+        sched.step()
+    sched.add_request(reqs[1])
+    run_all(sched)
+    ids, logprobs = simulate(reqs[0].input_ids, 30, "8,5,30", False)
+    for req in reqs:
+        assert req.output_ids == ids
+        assert req.output_logprobs == pytest.approx(logprobs)
+    assert reqs[1].cached_tokens == len(reqs[1].input_ids) - 1
