@@ -13,6 +13,7 @@ from test_scheduler import VOCAB, FakeRunner, chain, make_req, make_scheduler, r
 from radixflow.runtime.constrained.compiler import GrammarError
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 from radixflow.runtime.scheduler.request import Req
+from radixflow.runtime.server.metrics import Metrics
 
 WORDS = -(-VOCAB // 32)
 NGRAM = {"speculative_algorithm": "ngram", "speculative_disable_by_batch_size": 0}
@@ -179,6 +180,10 @@ def test_jumped_outputs_equal_sampled_ones_in_fewer_steps(config: dict) -> None:
     stats = sched.stats()
     assert stats["jump_forward_tokens"] == sum(r.jump_forward_tokens for r in reqs)
     assert 0 < stats["jump_forward_steps_saved"] <= stats["jump_forward_tokens"]
+    lines = Metrics(sched.stats).render().decode().splitlines()
+    assert f"radixflow:jump_forward_tokens_total {stats['jump_forward_tokens']}" in lines
+    saved = stats["jump_forward_steps_saved"]
+    assert f"radixflow:jump_forward_steps_saved_total {saved}" in lines
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
