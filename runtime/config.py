@@ -131,6 +131,11 @@ class ServerConfig:
     reasoning_parser: str = _knob(
         "", "qwen3 or deepseek-r1: split <think> text into reasoning_content; '' = off"
     )
+    disable_jump_forward: bool = _knob(
+        False,
+        "constrained decoding: sample every token, even where the grammar forces the text "
+        "(by default forced text, such as a schema's keys, is appended in one extend step)",
+    )
     grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
     grammar_workers: int = _knob(2, "grammar compiler processes (a slow grammar holds only one)")
     grammar_timeout_s: float = _knob(60.0, "a grammar compiling longer than this fails")

@@ -35,6 +35,13 @@ from radixflow.runtime.constrained.compiler import (  # noqa: F401 (re-exported)
     json_schema_regex,
     strip_anchors,
 )
+from radixflow.runtime.constrained.jump_forward import (
+    MAX_FORCED_BYTES,
+    NO_JUMP,
+    Jump,
+    natural_jump,
+    utf8_prefix,
+)
 
 END_MARK = b"\x00"  # appended to every regex and spelled by no real token; see _Compiled
 SPACE_MARKER = "▁"  # SentencePiece's word-boundary marker, decoded to a space
@@ -117,6 +124,40 @@ def _sp_decode(token: str) -> bytes:
 
 
 @dataclass
+class _Tokens:
+    """What jump-forward needs of the vocabulary: each id's bytes, its first byte (-1: none),
+    the one-byte tokens, and the tokenizer (bytes -> ids, None where it cannot say)."""
+
+    spelling: list[bytes]
+    first_byte: np.ndarray  # (end_token + 1,) int16
+    byte_token: dict[int, int]
+    tokenize: Any
+
+    @classmethod
+    def build(cls, token_ids: dict[bytes, list[int]], size: int, tokenizer: Any) -> _Tokens:
+        spelling = [b""] * size
+        byte_token: dict[int, int] = {}
+        for data, ids in token_ids.items():
+            for token_id in ids:
+                if token_id < size:
+                    spelling[token_id] = data
+            if len(data) == 1 and data != END_MARK:
+                byte_token[data[0]] = min(ids)
+        first = np.array([data[0] if data else -1 for data in spelling], dtype=np.int16)
+
+        def tokenize(data: bytes) -> list[int] | None:
+            try:
+                return tokenizer.encode(data.decode(), add_special_tokens=False)
+            except UnicodeDecodeError:
+                return None
+
+        return cls(spelling, first, byte_token, tokenize)
+
+    def spell(self, tokens: list[int]) -> bytes:
+        return b"".join(self.spelling[t] if 0 <= t < len(self.spelling) else b"" for t in tokens)
+
+
+@dataclass
 class _Compiled:
     """One compiled grammar shared by every request using it (read-only apart from the memos).
 
@@ -134,8 +175,10 @@ class _Compiled:
     eos_token_ids: tuple[int, ...]
     end_token: int
     write_words: int  # outlines-core wants ceil(len(vocabulary) / 32) words, at times one more
+    tokens: _Tokens | None = None  # None: no jump-forward
     can_end_memo: dict[int, bool] = field(default_factory=dict)
     terminal_memo: dict[int, bool] = field(default_factory=dict)
+    forced_memo: dict[int, tuple[int, int] | None] = field(default_factory=dict)
 
     def can_end(self, state: int) -> bool:
         result = self.can_end_memo.get(state)
@@ -154,6 +197,23 @@ class _Compiled:
             self.terminal_memo[state] = result
         return result
 
+    def forced_byte(self, state: int) -> tuple[int, int] | None:
+        """(byte, state after it) where every token allowed at `state` starts with the same
+        byte and the regex may not end there; else None. Memoised: listing a state's tokens
+        costs up to ~1 ms."""
+        if state in self.forced_memo:
+            return self.forced_memo[state]
+        result = None
+        if self.tokens is not None and not self.can_end(state):
+            allowed = np.asarray(self.index.get_allowed_tokens(state), dtype=np.int64)
+            firsts = np.unique(self.tokens.first_byte[allowed[allowed < self.end_token]])
+            token = self.tokens.byte_token.get(int(firsts[0])) if len(firsts) == 1 else None
+            after = None if token is None else self.index.get_next_state(state, token)
+            if firsts[0] >= 0 and after is not None:
+                result = (int(firsts[0]), after)
+        self.forced_memo[state] = result
+        return result
+
 
 class Grammar:
     """One request's position in a compiled grammar; never shared between requests.
@@ -167,6 +227,7 @@ class Grammar:
         self._compiled = compiled
         self._guide = Guide(compiled.index)
         self._ended = False
+        self._before: int | None = None  # the state before the last token advanced over
 
     @property
     def words(self) -> int:
@@ -202,13 +263,62 @@ class Grammar:
             self._ended = True
             return
         try:
+            before = self._guide.get_state()
             self._guide.advance(token_id, return_tokens=False)
+            self._before = before
         except ValueError as e:
             raise GrammarError(f"token {token_id} is not allowed by the grammar here") from e
 
     def is_terminated(self) -> bool:
         """True once EOS was accepted or when nothing but EOS may follow."""
         return self._ended or self._compiled.is_terminal(self._guide.get_state())
+
+    def forced_tokens(self, last: int | None) -> Jump:
+        """The jump at this state (runtime/constrained/jump_forward.py): the bytes every
+        allowed token agrees on, walked through one-byte tokens, tokenized by the tokenizer
+        (with `last`, the last accepted token, in front where that merges), the last token
+        held back unless the regex is complete after them. Leaves the state as it was."""
+        compiled, tokens = self._compiled, self._compiled.tokens
+        if self._ended or tokens is None:
+            return NO_JUMP
+        state, forced = self._guide.get_state(), bytearray()
+        while len(forced) < MAX_FORCED_BYTES and (step := compiled.forced_byte(state)):
+            forced.append(step[0])
+            state = step[1]
+        text = utf8_prefix(bytes(forced))
+        if not text:
+            return NO_JUMP
+        complete = len(text) == len(forced) and compiled.is_terminal(state)
+        standalone = tokens.tokenize(text) or []
+        if not complete:
+            standalone = standalone[:-1]
+        start = self._guide.get_state()
+        if tokens.spell(standalone) != text[: len(tokens.spell(standalone))]:
+            standalone = []  # e.g. a tokenizer that adds a leading space
+        if not self._walks(start, standalone):
+            standalone = []
+        before = self._before
+
+        def accepts(merged: list[int]) -> bool:
+            return before is not None and self._walks(before, merged)
+
+        return natural_jump(
+            text, standalone, last, tokens.spell, tokens.tokenize, accepts, not complete
+        )
+
+    def _walks(self, state: int, tokens: list[int]) -> bool:
+        index = self._compiled.index
+        for token in tokens:
+            state = index.get_next_state(state, token)
+            if state is None:
+                return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (never past EOS)."""
+        assert not self._ended, "rollback after EOS"
+        self._guide.rollback_state(num_tokens)
+        self._before = None
 
     def copy(self) -> Grammar:
         """A fresh Grammar at the start state sharing the compiled index."""
@@ -248,6 +358,7 @@ class GrammarBackend:
         token_ids[END_MARK] = [self.end_token]
         vocabulary_len = len(Vocabulary(self.eos_token_ids[0], token_ids))
         self._write_words = max(self.words, -(-vocabulary_len // 32))
+        self._tokens = _Tokens.build(token_ids, self.end_token + 1, tokenizer)
         self._pool = CompilerPool(
             token_ids, self.eos_token_ids[0], whitespace_pattern, max_workers, timeout_s
         )
@@ -310,4 +421,6 @@ class GrammarBackend:
         return self._cache[key]
 
     def _wrap(self, index: Index) -> _Compiled:
-        return _Compiled(index, self.words, self.eos_token_ids, self.end_token, self._write_words)
+        return _Compiled(
+            index, self.words, self.eos_token_ids, self.end_token, self._write_words, self._tokens
+        )

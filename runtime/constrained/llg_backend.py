@@ -9,7 +9,8 @@ microseconds. It takes the same grammar keys as the outlines-core backend and mo
                            integers without bounds get JSON's safe range)
   ("choices", JSON list)  ("ebnf", GBNF text, SGLang's `ebnf`; Lark syntax is taken too)
 Same interface as `grammar.GrammarBackend`: submit / poll / get / shutdown, per-request
-grammars with words / fill_mask / accept / is_terminated / copy.
+grammars with words / fill_mask / accept / is_terminated / copy, and forced_tokens / rollback
+for jump-forward (llguidance's fast-forward tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from radixflow.runtime.constrained.compiler import GrammarError, GrammarKey
+from radixflow.runtime.constrained.jump_forward import NO_JUMP, Jump, natural_jump
 from radixflow.runtime.constrained.schema_regex import closed, safe_integers
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,39 @@ class LlgGrammar:
     def is_terminated(self) -> bool:
         """True once EOS was accepted or when nothing but EOS may follow."""
         return self._matcher.is_stopped()
+
+    def forced_tokens(self, last: int | None) -> Jump:
+        """The jump at this state (runtime/constrained/jump_forward.py): llguidance's
+        fast-forward tokens (forced bytes tokenized, the last token held back where the text
+        after it is free), with `last` (the last accepted token) tokenized again in front of
+        them. Leaves the state as it was."""
+        matcher, view = self._matcher, self._backend.tokenizer
+        if matcher.is_stopped():
+            return NO_JUMP
+        standalone = matcher.compute_ff_tokens()
+        if not standalone:
+            return NO_JUMP
+
+        def accepts(tokens: list[int]) -> bool:
+            matcher.rollback(1)
+            taken = matcher.try_consume_tokens(tokens)
+            matcher.rollback(taken)
+            assert matcher.try_consume_tokens([last]) == 1, "could not restore the matcher"
+            return taken == len(tokens)
+
+        return natural_jump(
+            view.decode_bytes(standalone),
+            standalone,
+            last,
+            view.decode_bytes,
+            view.tokenize_bytes,
+            accepts,
+            hold_back_last=False,  # the merged text ends where llguidance's cut ended
+        )
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        assert self._matcher.rollback(num_tokens), f"cannot roll back {num_tokens} tokens"
 
     def copy(self) -> LlgGrammar:
         """A fresh grammar at the start."""

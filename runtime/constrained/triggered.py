@@ -230,9 +230,10 @@ def _runs_past(data: bytes, trigger: bytes) -> bool:
 
 class TriggeredGrammar:
     """One request's triggered constraint; the Grammar interface (words, fill_mask, accept,
-    is_terminated, copy). Mutates: `accept` advances this object (and its active inner
-    grammar) only; `fill_mask` writes only its row. Raises GrammarError for a token the active
-    grammar forbids, or any token once a `stop_after_first` structure is complete."""
+    is_terminated, forced_tokens, copy). Mutates: `accept` advances this object (and its
+    active inner grammar) only; `fill_mask` writes only its row. Raises GrammarError for a
+    token the active grammar forbids, or any token once a `stop_after_first` structure is
+    complete."""
 
     def __init__(self, spec: TriggerSpec, grammars: dict[str, Any], table: TokenTable) -> None:
         self.spec, self._grammars, self._table = spec, grammars, table
@@ -323,6 +324,13 @@ class TriggeredGrammar:
 
     def is_terminated(self) -> bool:
         return self._done
+
+    def forced_tokens(self, last: int | None) -> tuple[int, list[int]]:
+        """Inside a structure, its grammar's forced tokens; never a replacement of `last`
+        (the trigger watch has seen it), so `rollback` is never asked for."""
+        if self._active is None:
+            return 0, []
+        return 0, self._active.forced_tokens(None)[1]
 
     def copy(self) -> TriggeredGrammar:
         """A fresh grammar at the start."""

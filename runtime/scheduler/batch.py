@@ -22,11 +22,12 @@ def build_plan(
     verifies: list[Req] | None = None,
 ) -> tuple[BatchPlan, list[Req]]:
     """The step's flat ragged batch: extend rows (each request's new tokens, after its
-    cached prefix; an embedding request's pooled rows listed in hidden_rows), then the verify
-    rows of speculating requests (their last token and drafts, a logit row each), then one
-    row per decode. Returns the plan and the requests that sample once, in sample-row order;
-    the verify rows sample after them, request by request, 1 + len(draft_ids) rows each.
-    Consumes each extend's pending copy-on-write."""
+    cached prefix: prompts, chunks, a running request's last token and the tokens a grammar
+    forced after it, whose logprobs are logit rows too; an embedding request's pooled rows
+    listed in hidden_rows), then the verify rows of speculating requests (their last token and
+    drafts, a logit row each), then one row per decode. Returns the plan and the requests that
+    sample once, in sample-row order; the verify rows sample after them, request by request,
+    1 + len(draft_ids) rows each. Consumes each extend's pending copy-on-write."""
     input_ids, positions, out_slots = [], [], []
     qo, kv, kv_indices = [0], [0], []
     logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
@@ -49,7 +50,10 @@ def build_plan(
         for p in req.input_logprob_positions(start, end):
             logit_rows.append(row + p - start)
             targets.append(req.input_ids[p + 1])
-        if end == req.seq_len and req.remaining_new_tokens() > 0:
+        for p in req.jumped_logprob_positions(start, end):
+            logit_rows.append(row + p - start)
+            targets.append(fill[p + 1])
+        if end == req.seq_len and req.remaining_new_tokens() > 0 and req.jump_finish is None:
             sample_rows.append(len(logit_rows))
             logit_rows.append(row + end - 1 - start)
             targets.append(-1)

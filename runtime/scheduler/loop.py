@@ -129,15 +129,16 @@ class SchedulerLoop:
 
     def _update(self, req: Req) -> ReqUpdate | None:
         sent = self.sent.get(req.rid, 0)
-        if not req.finished and (not req.stream or len(req.output_ids) == sent):
+        ready = len(req.output_ids) if req.finished else req.num_ready_outputs
+        if not req.finished and (not req.stream or ready == sent):
             return None
         new = {
-            "new_ids": req.output_ids[sent:],
-            "new_logprobs": req.output_logprobs[sent:],
-            "new_top_logprobs": req.output_top_logprobs[sent:],
+            "new_ids": req.output_ids[sent:ready],
+            "new_logprobs": req.output_logprobs[sent:ready],
+            "new_top_logprobs": req.output_top_logprobs[sent:ready],
         }
         if not req.finished:
-            self.sent[req.rid] = len(req.output_ids)
+            self.sent[req.rid] = ready
             return ReqUpdate(req.rid, **new, meta_info=_progress_meta(req))
         del self.live[req.rid]
         self.sent.pop(req.rid, None)

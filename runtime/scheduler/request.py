@@ -3,7 +3,8 @@
 Slot ownership of a request (positions 0 .. kv_len-1 have KV):
   * `slots[:prefix_len]` belong to the radix tree and are protected by the lock on `last_node`;
   * the rest live in `own_pages`, pages this request allocated and holds one reference on.
-The last sampled token has no KV yet: it is the input of the next decode step.
+The last sampled token has no KV yet: it is the input of the next decode step. Tokens a
+grammar forced after it (jump-forward) have none either: the next step extends them all.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class Req:
     grammar: Any = None  # a constraints.Grammar while constrained
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
     spec: Any = None  # speculative.DraftState once drafting has looked at this request
+    jump_forward_tokens: int = 0  # output tokens a grammar forced (appended, never sampled)
+    # why a jump ended the request, kept until the jumped tokens' logprobs are computed
+    jump_finish: dict[str, Any] | None = None
 
     # results
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -101,7 +105,15 @@ class Req:
         cap = self.seq_len - 1
         if self.wants_input_logprobs and not self.input_logprobs_done:
             cap = min(cap, max(self.logprob_start_len, 1) - 1)
+        if self.return_logprob:  # jumped tokens not scored yet: their positions are computed
+            cap = min(cap, len(self.input_ids) + len(self.output_logprobs) - 1)
         return max(cap, 0)
+
+    @property
+    def num_ready_outputs(self) -> int:
+        """Output tokens that may stream: with logprobs, only those whose logprob is known
+        (a jumped token's comes from the extend that computes its KV)."""
+        return len(self.output_logprobs) if self.return_logprob else len(self.output_ids)
 
     def input_logprob_positions(self, start: int, end: int) -> range:
         """Positions p in [start, end) whose logits give the logprob of input token p + 1."""
@@ -134,16 +146,32 @@ class Req:
         norm = float(np.linalg.norm(self.hidden_sum))
         self.embedding = (self.hidden_sum / max(norm, 1e-12)).tolist()
 
+    def jumped_logprob_positions(self, start: int, end: int) -> range:
+        """Positions p in [start, end) whose logits give the logprob of output token p + 1:
+        the jumped tokens after the last scored output token."""
+        if not self.return_logprob:
+            return range(0)
+        first = len(self.input_ids) + len(self.output_logprobs) - 1
+        return range(max(start, first), min(end, self.seq_len - 1))
+
     def remaining_new_tokens(self) -> int:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
 
     def append_token(
-        self, token: int, logprob: float, now: float, eos_token_ids: tuple[int, ...]
+        self,
+        token: int,
+        logprob: float,
+        now: float,
+        eos_token_ids: tuple[int, ...],
+        forced: bool = False,
     ) -> dict[str, Any] | None:
-        """Record a sampled token and advance the grammar; return a finish reason if the
-        token itself ends the request (EOS, a stop id, a grammar that rejects it)."""
+        """Record a sampled token (`forced`: one a grammar forced, whose logprob the next
+        extend computes) and advance the grammar; return a finish reason if the token itself
+        ends the request (EOS, a stop id, a grammar that rejects it)."""
         self.output_ids.append(token)
-        if self.return_logprob:
+        if forced:
+            self.jump_forward_tokens += 1
+        elif self.return_logprob:
             self.output_logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = now
@@ -163,6 +191,16 @@ class Req:
         if token in params.stop_token_ids and min_done:
             return {"type": "stop", "matched": token}
         return None
+
+    def drop_last_token(self) -> None:
+        """Take back the last sampled token (jump-forward replaces it; it has no KV and was not
+        streamed). The caller rolls the grammar back."""
+        self.output_ids.pop()
+        self.token_times.pop()
+        if len(self.output_logprobs) > len(self.output_ids):
+            self.output_logprobs.pop()
+        if len(self.output_top_logprobs) > len(self.output_ids):
+            self.output_top_logprobs.pop()
 
     def stop_reason(
         self, context_len: int, decode: Callable[[list[int]], str]
@@ -209,6 +247,7 @@ class Req:
             "cached_tokens": max(self.cached_tokens, 0),
             "finish_reason": self.finish_reason,
             "num_preemptions": self.num_preemptions,
+            "jump_forward_tokens": self.jump_forward_tokens,
             "ttft": (self.first_token_time - self.arrival) if self.first_token_time else None,
             "itl_mean": float(itl.mean()) if itl.size else None,
             "itl_max": float(itl.max()) if itl.size else None,

@@ -3,12 +3,15 @@
 One `step()` = poll grammars, make room for the running decodes (evict, else preempt),
 continue the chunked request, admit waiting requests in policy order within the KV and token
 budgets, run one forward pass for the whole ragged batch, then postprocess (append tokens,
-check stops, insert computed KV into the radix tree, release finished requests).
+check stops, jump forward over grammar-forced text, insert computed KV into the radix tree,
+release finished requests). A running request with jumped tokens extends them this step
+(runtime/scheduler/jump_forward.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -21,6 +24,7 @@ from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
 from radixflow.runtime.scheduler.batch import build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
+from radixflow.runtime.scheduler.jump_forward import JumpForward
 from radixflow.runtime.scheduler.policy import order_waiting, shares_uncached
 from radixflow.runtime.scheduler.request import Req, ReqState
 from radixflow.runtime.scheduler.request_kv import RequestKV
@@ -71,6 +75,7 @@ class Scheduler:
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
         self.kv = RequestKV(self.pool, self.tree, self.metrics)
         self.spec = Speculator(config, eos_token_ids, encode)
+        self.jump = JumpForward(not config.disable_jump_forward)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio
@@ -143,29 +148,34 @@ class Scheduler:
         updated = self._poll_grammars()
         updated += self._make_decode_room()
         spare = self.pool.num_free_pages - self._decode_pages_needed()
-        verifies = self.spec.propose(self.running, spare, self.pool.page_size, self.context_len)
-        decodes = [r for r in self.running if not r.draft_ids]
+        jumps = [r for r in self.running if r.seq_len - r.kv_len > 1]  # jumped tokens pending
+        stepping = [r for r in self.running if r.seq_len - r.kv_len == 1]
+        verifies = self.spec.propose(stepping, spare, self.pool.page_size, self.context_len)
+        decodes = [r for r in stepping if not r.draft_ids]
         for req in decodes:  # before admission, so prefills cannot take the decodes' pages
             self.kv.alloc_decode_slot(req)
+        for req in jumps:  # the last token and the jumped ones (room made like the decodes')
+            grown = self.kv.grow(req, req.seq_len - req.kv_len)
+            assert grown, f"{req.rid}: no room for jumped tokens, free={self.pool.num_free_pages}"
         for req in verifies:  # the last token and the drafts, in `spare` pages
             self.kv.grow(req, 1 + len(req.draft_ids))
-        extends = self._admit()
-        if not decodes and not extends and not verifies:
+        extends = self._admit()  # jumped tokens, like drafts, are not charged to the budget
+        if not decodes and not extends and not verifies and not jumps:
             if not self.has_work:
                 self.new_token_ratio = self.init_ratio
             return updated
         try:
             plan, sample_reqs = build_plan(
-                extends, decodes, self.vocab_size, self.eos_token_ids, verifies
+                extends + jumps, decodes, self.vocab_size, self.eos_token_ids, verifies
             )
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
-            updated += self._postprocess(plan, result, extends, decodes, sample_reqs)
+            updated += self._postprocess(plan, result, extends, jumps, decodes, sample_reqs)
             self.metrics.stepped(self, plan, extends, start)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
             log.exception("step %d failed; its requests get an error", self.step_count)
             message = f"internal error in this step: {e!r}"
-            updated += self._fail_batch(extends + decodes + verifies, message)
+            updated += self._fail_batch(extends + jumps + decodes + verifies, message)
         if self.config.self_check:
             self.check_invariants()
         return updated
@@ -184,15 +194,20 @@ class Scheduler:
                 failed.append(req)
             else:
                 req.grammar = ready
-                req.state = ReqState.WAITING
-                self.waiting.append(req)
+                if self.jump.jump(req, self._append_forced, self.clock()):
+                    failed.append(req)  # forced text from the start: it streams now
+                if not req.finished:
+                    req.state = ReqState.WAITING
+                    self.waiting.append(req)
         return failed
 
     # ---- memory for decodes: evict, else preempt -------------------------------------------
 
     def _decode_pages_needed(self) -> int:
+        """New pages the running requests' pending tokens take (the last sampled token, and
+        any jumped after it)."""
         size = self.pool.page_size
-        return sum(1 for r in self.running if r.kv_len % size == 0)
+        return sum(-(-r.seq_len // size) - -(-r.kv_len // size) for r in self.running)
 
     def _make_decode_room(self) -> list[Req]:
         failed = []
@@ -309,9 +324,9 @@ class Scheduler:
         """Give a waiting request its cached prefix (lock held) and `chunk` new slots."""
         if not self.kv.start(req, prefix, node, chunk):
             return False
-        if req.cached_tokens < 0:
-            req.cached_tokens = len(prefix)
-            self.counters["cached_tokens"] += len(prefix)
+        if req.cached_tokens < 0:  # of the prompt (text jumped before the prefill may match)
+            req.cached_tokens = min(len(prefix), len(req.input_ids))
+            self.counters["cached_tokens"] += req.cached_tokens
             self.counters["prompt_tokens"] += len(req.input_ids)
         req.state = ReqState.RUNNING
         return True
@@ -325,14 +340,16 @@ class Scheduler:
         plan: BatchPlan,
         result: StepResult,
         extends: list[Req],
+        jumps: list[Req],
         decodes: list[Req],
         sample_reqs: list[Req],
     ) -> list[Req]:
         now = self.clock()
-        self._store_input_logprobs(plan, result, extends)
+        self._store_logprobs(plan, result, extends + jumps)
         self._pool_hidden(result, extends)
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
+        for req in extends + jumps:
             req.kv_len = req.extend_target
             self.kv.cache_computed(req)
         self.counters["decode_tokens"] += len(decodes)
@@ -345,13 +362,17 @@ class Scheduler:
                 continue  # mid-chunk: stays the chunked request
             if self.chunked is req:
                 self.chunked = None
-            if id(req) not in sampled:  # prefill-only (max_new_tokens == 0)
+            if id(req) not in sampled:  # prefill-only (max_new_tokens == 0), or a jump ended it
                 if req.pooling:
                     req.finish_embedding()
-                self._finish(req, {"type": "length", "length": 0})
+                self._finish(req, req.jump_finish or {"type": "length", "length": 0})
                 updated.append(req)
                 continue
             self.running.append(req)
+        for req in jumps:
+            if req.jump_finish is not None:  # its jumped tokens' logprobs are in now
+                self._finish(req, req.jump_finish)
+                updated.append(req)
         for req in sample_reqs:
             if req.finished:
                 continue
@@ -369,6 +390,8 @@ class Scheduler:
                 )
             updated.append(req)
         updated += self.spec.accept(plan, result, len(sample_reqs), self._append_token, self.pool)
+        for req in sample_reqs + self.spec.verifying:  # before anything streams
+            self.jump.jump(req, self._append_forced, now)
         for req in list(self.running):
             if req.finished:
                 self.running.remove(req)
@@ -376,13 +399,17 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio - decay, self.min_ratio)
         return updated
 
-    def _store_input_logprobs(
-        self, plan: BatchPlan, result: StepResult, extends: list[Req]
-    ) -> None:
+    def _store_logprobs(self, plan: BatchPlan, result: StepResult, extends: list[Req]) -> None:
+        """The extends' input logprobs, and the logprobs of the jumped tokens they computed."""
         row_of = {int(r): i for i, r in enumerate(plan.logit_rows)}
         row = 0
         for req in extends:
             start, end = req.kv_len, req.extend_target
+            for p in req.jumped_logprob_positions(start, end):
+                i = row_of[row + p - start]
+                req.output_logprobs.append(float(result.target_logprobs[i]))
+                if result.top_logprobs is not None and req.top_logprobs_num:
+                    req.output_top_logprobs.append(_top(result, i, req.top_logprobs_num))
             positions = req.input_logprob_positions(start, end)
             if positions or (not req.input_logprobs_done and end >= len(req.input_ids)):
                 if not req.input_logprobs and req.logprob_start_len == 0:
@@ -421,6 +448,19 @@ class Scheduler:
         reason = reason or req.stop_reason(self.context_len, self.decode)
         if reason is not None:
             self._finish(req, reason)
+
+    def _append_forced(self, req: Req, token: int, now: float) -> bool:
+        """Append a token the grammar forced; True once the request is done: finished, or
+        (with logprobs) finishing after the extend that computes the jumped tokens' logprobs."""
+        reason = req.append_token(token, math.nan, now, self.eos_token_ids, forced=True)
+        reason = reason or req.stop_reason(self.context_len, self.decode)
+        if reason is None:
+            return False
+        if req.return_logprob and reason["type"] not in ("abort", "error"):
+            req.jump_finish = reason
+        else:
+            self._finish(req, reason)
+        return True
 
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         if req.finished:
@@ -489,8 +529,15 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             **self.metrics.stats(self),
             **self.spec.stats(),
+            **self.jump.stats(),
         }
 
     def check_invariants(self) -> None:
         """Slot/page ownership adds up; tree counters and locks are consistent."""
         check_ownership(self)
+
+
+def _top(result: StepResult, row: int, k: int) -> list[tuple[float, int]]:
+    """The top-k (logprob, id) pairs of a logit row."""
+    assert result.top_logprobs is not None and result.top_ids is not None
+    return list(zip(result.top_logprobs[row][:k].tolist(), result.top_ids[row][:k].tolist()))

@@ -101,6 +101,8 @@ class Metrics:
             "preemptions_total": stats.get("preemptions", 0),
             "evicted_tokens_total": stats.get("evicted_tokens", 0),
             "recomputed_tokens_total": stats.get("recomputed_tokens", 0),
+            "jump_forward_tokens_total": stats.get("jump_forward_tokens", 0),
+            "jump_forward_steps_saved_total": stats.get("jump_forward_steps_saved", 0),
         }
         for name, value in counters.items():
             lines += [f"# TYPE {p}{name} counter", f"{p}{name} {value}"]

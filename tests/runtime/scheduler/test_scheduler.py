@@ -42,6 +42,7 @@ class FakeRunner:
     def __init__(self) -> None:
         self.store: dict[int, tuple[int, int]] = {}  # slot -> (position, sequence hash)
         self.tokens_computed = 0
+        self.row_hashes: list[int] = []
 
     def _chain_hash(self, kv: np.ndarray) -> int:
         for pos, slot in enumerate(kv.tolist()):
@@ -78,6 +79,7 @@ class FakeRunner:
             self._chain_hash(kvs)
             row_hash.append(h)
         rows = [row_hash[int(r)] for r in plan.logit_rows]
+        self.row_hashes = rows  # of the logit rows: subclasses derive more from them
         next_ids = [1 + rows[int(i)] % (VOCAB - 1) for i in plan.sample_rows]
         return StepResult(next_ids, [0.0] * len(next_ids), np.zeros(len(rows)))
 
