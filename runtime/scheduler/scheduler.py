@@ -30,6 +30,7 @@ from radixflow.runtime.scheduler.request import Req, ReqState
 from radixflow.runtime.scheduler.request_kv import RequestKV
 from radixflow.runtime.scheduler.speculative import Speculator
 from radixflow.runtime.scheduler.stats import SchedulerStats
+from radixflow.runtime.scheduler.step_outputs import pool_hidden, store_logprobs
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -345,8 +346,8 @@ class Scheduler:
         sample_reqs: list[Req],
     ) -> list[Req]:
         now = self.clock()
-        self._store_logprobs(plan, result, extends + jumps)
-        self._pool_hidden(result, extends)
+        store_logprobs(plan, result, extends + jumps)
+        pool_hidden(result, extends)
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
         for req in extends + jumps:
@@ -398,50 +399,6 @@ class Scheduler:
         decay = (self.init_ratio - self.min_ratio) / self.config.new_token_ratio_decay_steps
         self.new_token_ratio = max(self.new_token_ratio - decay, self.min_ratio)
         return updated
-
-    def _store_logprobs(self, plan: BatchPlan, result: StepResult, extends: list[Req]) -> None:
-        """The extends' input logprobs, and the logprobs of the jumped tokens they computed."""
-        row_of = {int(r): i for i, r in enumerate(plan.logit_rows)}
-        row = 0
-        for req in extends:
-            start, end = req.kv_len, req.extend_target
-            for p in req.jumped_logprob_positions(start, end):
-                i = row_of[row + p - start]
-                req.output_logprobs.append(float(result.target_logprobs[i]))
-                if result.top_logprobs is not None and req.top_logprobs_num:
-                    req.output_top_logprobs.append(_top(result, i, req.top_logprobs_num))
-            positions = req.input_logprob_positions(start, end)
-            if positions or (not req.input_logprobs_done and end >= len(req.input_ids)):
-                if not req.input_logprobs and req.logprob_start_len == 0:
-                    req.input_logprobs.append(None)
-                    req.input_top_logprobs.append([])
-                for p in positions:
-                    i = row_of[row + p - start]
-                    req.input_logprobs.append(float(result.target_logprobs[i]))
-                    if result.top_logprobs is not None and req.top_logprobs_num:
-                        k = req.top_logprobs_num
-                        req.input_top_logprobs.append(
-                            list(
-                                zip(
-                                    result.top_logprobs[i][:k].tolist(),
-                                    result.top_ids[i][:k].tolist(),
-                                )
-                            )
-                        )
-            if end >= len(req.input_ids):
-                req.input_logprobs_done = True
-            row += end - start
-
-    def _pool_hidden(self, result: StepResult, extends: list[Req]) -> None:
-        """Hand each embedding request its rows of `result.hidden` (the plan's hidden_rows,
-        in extend order, as build_plan laid them out)."""
-        row = 0
-        for req in extends:
-            count = len(req.hidden_positions(req.kv_len, req.extend_target))
-            if count:
-                assert result.hidden is not None, "the runner returned no hidden states"
-                req.pool_hidden(result.hidden[row : row + count])
-                row += count
 
     def _append_token(self, req: Req, token: int, logprob: float, now: float) -> None:
         reason = req.append_token(token, logprob, now, self.eos_token_ids)
@@ -535,9 +492,3 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Slot/page ownership adds up; tree counters and locks are consistent."""
         check_ownership(self)
-
-
-def _top(result: StepResult, row: int, k: int) -> list[tuple[float, int]]:
-    """The top-k (logprob, id) pairs of a logit row."""
-    assert result.top_logprobs is not None and result.top_ids is not None
-    return list(zip(result.top_logprobs[row][:k].tolist(), result.top_ids[row][:k].tolist()))
