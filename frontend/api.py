@@ -85,8 +85,11 @@ def gen(
 ) -> Expr:
     """A generation stored under `name`; unset fields take the run() defaults. Other
     SamplingParams fields (seed, repetition_penalty, ...) are accepted by keyword. With
-    `choices` it is a select(). Raises TypeError for an unknown field, re.error for a bad
-    regex, ValueError for a json_schema that is not JSON; ranges are checked when it runs."""
+    `choices` it is a select(). `n` > 1 draws n samples of the same prefix (prefilled once):
+    `s[name]` is the list of n texts and the text goes on with the first. `stop_regex` ends
+    the output where it first matches (the match stays). Raises TypeError for an unknown
+    field, re.error for a bad regex, ValueError for a json_schema that is not JSON; ranges
+    are checked when it runs."""
     values = {k: v for k, v in locals().items() if k not in _NOT_SAMPLING}
     if choices is not None:
         method = choices_method or token_length_normalized
@@ -273,7 +276,8 @@ def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | 
 
 
 def set_default_backend(backend: Any) -> None:
-    """Programs run without backend= use this one (a Runtime or a RuntimeEndpoint)."""
+    """Programs run without backend= use this one: a Runtime, a RuntimeEndpoint or an
+    offline Engine."""
     global_config.default_backend = backend
 
 

@@ -40,6 +40,8 @@ from radixflow.sampling import resolve_sampling
 logger = logging.getLogger(__name__)
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
+# per-token meta a stream chunk holds for its new tokens only (SGLang's incremental form)
+INCREMENTAL_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 _END = object()
 
 
@@ -193,7 +195,7 @@ class StreamExecutor:
     # -- node execution (worker thread) --------------------------------------------------
     def _execute(self, node: Expr) -> None:
         if isinstance(node, Constant):
-            self._append(node.value)
+            self.append(node.value)
         elif isinstance(node, Gen):
             self._gen(node)
         elif isinstance(node, Select):
@@ -211,7 +213,7 @@ class StreamExecutor:
         else:
             raise TypeError(f"cannot execute {node!r}")
 
-    def _append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
+    def append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
         with self.cond:
             self.text += text
             if self.stream:
@@ -221,28 +223,43 @@ class StreamExecutor:
     def _gen(self, node: Gen) -> None:
         stop_str = self.template.stop_str
         sampling, options = resolve_sampling(self.defaults, node.overrides(), stop_str)
+        num = sampling.get("n", 1)
         if self.stream:
+            if num != 1:
+                raise ValueError("gen(n>1) cannot stream: run the program with stream=False")
             text, meta = self._gen_stream(node.name, sampling, options)
-        else:
-            out = self.backend.generate(self.text, sampling, **options)
-            text, meta = out["text"], out["meta_info"]
-            self._append(text, node.name)
-        self.set_var(node.name, text, meta)
+            self.set_var(node.name, text, meta)
+            return
+        out = self.backend.generate(self.text, sampling, **options)
+        if num == 1:
+            self.append(out["text"], node.name)
+            self.set_var(node.name, out["text"], out["meta_info"])
+            return
+        # n samples of the same prefix (admitted together: the prefix is prefilled once); as
+        # SGLang, the text goes on with the first and the variable holds all n
+        outs = out if isinstance(out, list) else [out]
+        self.append(outs[0]["text"], node.name)
+        self.set_var(node.name, [o["text"] for o in outs], [o["meta_info"] for o in outs])
 
     def _gen_stream(
         self, name: str | None, sampling: dict[str, Any], options: dict[str, Any]
     ) -> tuple[str, dict[str, Any]]:
-        base, shown, logprobs, meta = self.text, "", [], {}
+        """Stream one gen's chunks into the text; its final meta holds all the logprobs the
+        chunks brought (each chunk's meta only its new tokens')."""
+        base, shown, meta = self.text, "", {}
+        streamed: dict[str, list[Any]] = {}
         for chunk in self.backend.generate_stream(base, sampling, **options):
             meta, new = chunk["meta_info"], chunk["text"]
-            logprobs += meta.get("output_token_logprobs") or []
+            for key in INCREMENTAL_META:
+                if meta.get(key):
+                    streamed.setdefault(key, []).extend(meta[key])
             if not new.startswith(shown):  # the runtime revised earlier text: restart it
                 with self.cond:
                     self.text, shown = base, ""
             self.set_var(name, new)
-            self._append(new[len(shown) :], name, meta)
+            self.append(new[len(shown) :], name, meta)
             shown = new
-        return shown, ({**meta, "output_token_logprobs": logprobs} if logprobs else meta)
+        return shown, {**meta, **streamed}
 
     def _select(self, node: Select) -> None:
         method = node.choices_method
@@ -266,7 +283,7 @@ class StreamExecutor:
             if unconditional
             else None,
         )
-        self._append(decision.decision, node.name)
+        self.append(decision.decision, node.name)
         self.set_var(node.name, decision.decision, decision.meta_info)
 
     def _role_begin(self, role: str) -> None:
@@ -276,18 +293,18 @@ class StreamExecutor:
         system = self.template.default_system_prompt
         if not self.messages and role != "system" and system is not None:
             self._role_begin("system")
-            self._append(system)
+            self.append(system)
             self._role_end("system")
-        self._append(prefix)
+        self.append(prefix)
         self.role = (role, len(self.text))
 
     def _role_end(self, role: str) -> None:
         if self.role is None or self.role[0] != role:
             raise ValueError(f"role {role!r} ended but the open role is {self.role!r}")
         content = self.text[self.role[1] :].lstrip()
-        self._append(self.template.get_prefix_and_suffix(role)[1])
-        self.messages.append({"role": role, "content": content})
         self.role = None
+        self.append(self.template.get_prefix_and_suffix(role)[1])
+        self.messages.append({"role": role, "content": content})
 
     # -- fork / join ---------------------------------------------------------------------
     def spawn(self) -> StreamExecutor:

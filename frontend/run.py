@@ -11,17 +11,21 @@ from typing import Any
 
 from tqdm import tqdm
 
+from radixflow.backends.engine import OfflineEngine, engine_backend
 from radixflow.chat_template import ChatTemplate, get_chat_template, template_for_model
 from radixflow.interpreter import StreamExecutor
 from radixflow.state import ProgramState
 
 
 def resolve_backend(backend: Any) -> Any:
-    """Unwrap a Runtime to its endpoint; raise RuntimeError when there is no backend."""
+    """Unwrap a Runtime to its endpoint, an offline Engine to its in-process backend; raise
+    RuntimeError when there is no backend."""
     if backend is None:
         raise RuntimeError(
             "no backend: pass backend=... or call radixflow.set_default_backend(...) first"
         )
+    if isinstance(backend, OfflineEngine):
+        return engine_backend(backend)
     return getattr(backend, "endpoint", backend)
 
 
@@ -47,7 +51,13 @@ def run_program(
     has (trailing gens may still run; reads block). stream=True: the body gets a thread."""
     endpoint = resolve_backend(backend)
     template = resolve_template(chat_template, endpoint)
-    executor = StreamExecutor(endpoint, template, defaults, stream=stream, use_thread=use_thread)
+    executor = StreamExecutor(
+        endpoint,
+        template,
+        defaults,
+        stream=stream,
+        use_thread=use_thread,
+    )
     state = ProgramState(executor)
     if stream:
         threading.Thread(target=_run_body, args=(func, state, kwargs), daemon=True).start()
@@ -86,7 +96,13 @@ def run_program_batch(
     workers = max(1, min(int(num_threads), len(batch)))
 
     def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        state = run_program(func, kwargs, endpoint, defaults, chat_template=template)
+        state = run_program(
+            func,
+            kwargs,
+            endpoint,
+            defaults,
+            chat_template=template,
+        )
         state.stream_executor.done.wait()
         return state
 

@@ -23,10 +23,12 @@ TORCH_FREE = [
     "radixflow.backend",
     "radixflow.api",
     "radixflow.interpreter",
+    "radixflow.backends.engine",
 ]
 DSL_MODULES = (
     "radixflow.api",
     "radixflow.backend",
+    "radixflow.backends.engine",
     "radixflow.chat_template",
     "radixflow.choices",
     "radixflow.interpreter",

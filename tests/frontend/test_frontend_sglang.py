@@ -1,5 +1,6 @@
 """Programs written exactly as for SGLang (only the import differs), end to end on SmolLM2
-through one real server; plus the fork prefix-once and run_batch checks on the server."""
+through one real server; plus the fork prefix-once and run_batch checks on the server, and
+gen(n) and stop_regex through both doors."""
 
 from __future__ import annotations
 
@@ -183,3 +184,48 @@ def test_run_batch_64_in_order_with_progress_bar(
     assert all(state.text().startswith(f"Number {i}.") for i, state in enumerate(states))
     assert all(isinstance(state["next"], str) for state in states)
     assert "64/64" in capsys.readouterr().err
+
+
+# ---- gen(n) and stop_regex on both doors ------------------------------------------------
+
+
+@sgl.function
+def samples(s: Any) -> None:
+    s += SHARED + "Fact 20:" + sgl.gen("fact", max_tokens=4, n=4, temperature=1.0)
+
+
+SHARED = "Here are facts about the sea.\n" + "".join(
+    f"Fact {i}: the sea covers much of the planet and holds {i + 3} kinds of fish.\n"
+    for i in range(10)
+)
+
+
+def test_gen_n_gives_n_samples_and_prefills_their_prefix_once(runtime: Any) -> None:
+    http = sgl.RuntimeEndpoint(runtime.url)
+    prompt = len(runtime.get_tokenizer()(SHARED, add_special_tokens=False)["input_ids"])
+    assert prompt > 200
+    for backend in (runtime.endpoint, http):
+        assert backend.flush_cache()
+        before = backend.stats()["prefill_tokens_computed"]
+        state = samples.run(backend=backend)
+        fact = state["fact"]
+        assert isinstance(fact, list) and len(fact) == 4 and all(isinstance(f, str) for f in fact)
+        assert state.text().endswith("Fact 20:" + fact[0])  # the text goes on with the first
+        computed = backend.stats()["prefill_tokens_computed"] - before
+        assert prompt <= computed < prompt + 4 * 8, (computed, prompt)  # once, not 4 times
+
+
+@sgl.function
+def sentence(s: Any, stop_regex: str | None) -> None:
+    s += "The capital of France is" + sgl.gen("rest", max_tokens=16, stop_regex=stop_regex)
+
+
+def test_stop_regex_stops_at_its_match(runtime: Any) -> None:
+    pattern = r"[.!?]"
+    full = sentence.run(stop_regex=None, temperature=0, backend=runtime.endpoint)["rest"]
+    http = sgl.RuntimeEndpoint(runtime.url)
+    for backend in (runtime.endpoint, http):
+        rest = sentence.run(stop_regex=pattern, temperature=0, backend=backend)["rest"]
+        # ends at the first match: the match is kept (SGLang's), nothing follows it
+        assert re.search(pattern, rest).end() == len(rest), (backend, rest)
+        assert full.startswith(rest) and len(rest) < len(full), (rest, full)

@@ -1,0 +1,2 @@
+"""Backends a program runs on besides a radixflow server: an offline Engine in this process
+(`engine`)."""
