@@ -1,8 +1,9 @@
 """radixflow: an SGLang-compatible frontend language over the radixflow runtime.
 
 An SGLang program runs unchanged after `import radixflow as sgl`. This package never imports
-torch: it talks to the runtime over its wire protocol (`RuntimeEndpoint`), or starts a
-local server process (`Runtime`). `Engine`, the offline engine, is the one name here
+torch: it talks to the runtime over its wire protocol (`RuntimeEndpoint`), starts a local
+server process (`Runtime`), or runs on a hosted API (`OpenAI`, `Anthropic`, `LiteLLM`, each
+importing its SDK only when constructed). `Engine`, the offline engine, is the one name here
 from the runtime (and the one that loads torch): a program runs on it in this process. Every
 name is imported on first use.
 
@@ -63,6 +64,10 @@ _EXPORTS = {
     "radixflow.ir": ("REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "REGEX_STRING"),
     "radixflow.backend": ("Runtime", "RuntimeEndpoint"),
     "radixflow.transport": ("Liveness", "RuntimeEndpointError"),
+    "radixflow.backends.openai": ("OpenAI",),
+    "radixflow.backends.anthropic": ("Anthropic",),
+    "radixflow.backends.litellm": ("LiteLLM",),
+    "radixflow.backends.vertexai": ("VertexAI",),
     # the offline engine (torch): SGLang exports it here too. The runtime's package resolves
     # it lazily as well; the DSL itself never imports the engine (backends.engine takes it
     # as an object), tests/test_layering.py holds this table to that one exception

@@ -171,7 +171,8 @@ class Function:
         num_api_spec_tokens: int | None = None,
         bind_arguments: dict[str, Any] | None = None,
     ) -> None:
-        self.func, self.num_api_spec_tokens = func, num_api_spec_tokens  # spec tokens: unused
+        # API speculative execution on a hosted-API backend (radixflow.speculative)
+        self.func, self.num_api_spec_tokens = func, num_api_spec_tokens
         self.signature = inspect.signature(func)
         names = list(self.signature.parameters)
         if not names or names[0] != "s":
@@ -188,7 +189,7 @@ class Function:
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise ValueError(f"{self.__name__} has no parameter(s) {unknown}")
-        return Function(self.func, None, {**self.bind_arguments, **kwargs})
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.arg_names):
@@ -228,6 +229,7 @@ class Function:
             stream=stream,
             use_thread=use_thread,
             chat_template=chat_template,
+            num_api_spec_tokens=self.num_api_spec_tokens,
         )
 
     def run_batch(
@@ -262,6 +264,7 @@ class Function:
             progress_bar=progress_bar,
             generator_style=generator_style,
             chat_template=chat_template,
+            num_api_spec_tokens=self.num_api_spec_tokens,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
@@ -276,8 +279,8 @@ def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | 
 
 
 def set_default_backend(backend: Any) -> None:
-    """Programs run without backend= use this one: a Runtime, a RuntimeEndpoint or an
-    offline Engine."""
+    """Programs run without backend= use this one: a Runtime, a RuntimeEndpoint, an offline
+    Engine, or a hosted-API backend (OpenAI, Anthropic, LiteLLM)."""
     global_config.default_backend = backend
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from radixflow.backends.api import ApiBackend
 from radixflow.backends.engine import OfflineEngine, engine_backend
 from radixflow.chat_template import ChatTemplate, get_chat_template, template_for_model
 from radixflow.interpreter import StreamExecutor
@@ -34,6 +35,8 @@ def resolve_template(template: ChatTemplate | str | None, backend: Any) -> ChatT
         return template
     if isinstance(template, str):
         return get_chat_template(template)
+    if isinstance(backend, ApiBackend):
+        return backend.get_chat_template()
     return template_for_model(backend.model_info())
 
 
@@ -46,9 +49,11 @@ def run_program(
     stream: bool = False,
     use_thread: bool = True,
     chat_template: ChatTemplate | str | None = None,
+    num_api_spec_tokens: int | None = None,
 ) -> ProgramState:
     """Start `func(s, **kwargs)`. Non-stream: the body runs here and this returns when it
-    has (trailing gens may still run; reads block). stream=True: the body gets a thread."""
+    has (trailing gens may still run; reads block). stream=True: the body gets a thread.
+    `num_api_spec_tokens`: API speculative execution on a hosted-API backend."""
     endpoint = resolve_backend(backend)
     template = resolve_template(chat_template, endpoint)
     executor = StreamExecutor(
@@ -57,6 +62,7 @@ def run_program(
         defaults,
         stream=stream,
         use_thread=use_thread,
+        num_api_spec_tokens=num_api_spec_tokens,
     )
     state = ProgramState(executor)
     if stream:
@@ -87,6 +93,7 @@ def run_program_batch(
     progress_bar: bool = False,
     generator_style: bool = False,
     chat_template: ChatTemplate | str | None = None,
+    num_api_spec_tokens: int | None = None,
 ) -> list[ProgramState] | Iterator[ProgramState]:
     """Run every argument set on a thread pool; states in input order, each finished."""
     endpoint = resolve_backend(backend)
@@ -102,6 +109,7 @@ def run_program_batch(
             endpoint,
             defaults,
             chat_template=template,
+            num_api_spec_tokens=num_api_spec_tokens,
         )
         state.stream_executor.done.wait()
         return state
