@@ -1,8 +1,11 @@
 """radixflow: an SGLang-compatible frontend language over the radixflow runtime.
 
 An SGLang program runs unchanged after `import radixflow as sgl`. This package never imports
-torch: it talks to the runtime over its wire protocol (`RuntimeEndpoint`), or starts a
-local server process (`Runtime`). Both are imported on first use.
+torch: it talks to the runtime over its wire protocol (`RuntimeEndpoint`), starts a local
+server process (`Runtime`), or runs on a hosted API (`OpenAI`, `Anthropic`, `LiteLLM`, each
+importing its SDK only when constructed). `Engine`, the offline engine, is the one name here
+from the runtime (and the one that loads torch): a program runs on it in this process. Every
+name is imported on first use.
 
 Where radixflow differs from SGLang on purpose:
 - select scores exactly each choice's own tokens (SGLang's means include a prompt token);
@@ -10,8 +13,9 @@ Where radixflow differs from SGLang on purpose:
 - unconditional_likelihood_normalized gets real unconditional logprobs from `score`.
 - Roles use the served model's own chat template (SmolLM2: ChatML with its default system
   prompt and `<|im_end|>` as a stop), where SGLang falls back to USER:/ASSISTANT:.
-- gen(n>1) and stop_regex raise ValueError instead of failing obscurely; join's
-  "concate_and_append" appends the branches' text (no KV concatenation).
+- gen(n>1) works on every backend (SGLang's runtime backend fails on it): the variable is the
+  list of n samples, the text goes on with the first. join's "concate_and_append" appends
+  the branches' text (no KV concatenation).
 - An exception in a program body is recorded on the state (error(); reads raise
   ProgramError) instead of escaping run(), so one failed program never sinks a run_batch.
 - run_batch does not pre-cache a traced prefix: the runtime prefills a prefix shared by
@@ -60,6 +64,14 @@ _EXPORTS = {
     "radixflow.ir": ("REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "REGEX_STRING"),
     "radixflow.backend": ("Runtime", "RuntimeEndpoint"),
     "radixflow.transport": ("Liveness", "RuntimeEndpointError"),
+    "radixflow.backends.openai": ("OpenAI",),
+    "radixflow.backends.anthropic": ("Anthropic",),
+    "radixflow.backends.litellm": ("LiteLLM",),
+    "radixflow.backends.vertexai": ("VertexAI",),
+    # the offline engine (torch): SGLang exports it here too. The runtime's package resolves
+    # it lazily as well; the DSL itself never imports the engine (backends.engine takes it
+    # as an object), tests/test_layering.py holds this table to that one exception
+    "radixflow.runtime": ("Engine",),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 

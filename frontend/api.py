@@ -85,8 +85,11 @@ def gen(
 ) -> Expr:
     """A generation stored under `name`; unset fields take the run() defaults. Other
     SamplingParams fields (seed, repetition_penalty, ...) are accepted by keyword. With
-    `choices` it is a select(). Raises TypeError for an unknown field, re.error for a bad
-    regex, ValueError for a json_schema that is not JSON; ranges are checked when it runs."""
+    `choices` it is a select(). `n` > 1 draws n samples of the same prefix (prefilled once):
+    `s[name]` is the list of n texts and the text goes on with the first. `stop_regex` ends
+    the output where it first matches (the match stays). Raises TypeError for an unknown
+    field, re.error for a bad regex, ValueError for a json_schema that is not JSON; ranges
+    are checked when it runs."""
     values = {k: v for k, v in locals().items() if k not in _NOT_SAMPLING}
     if choices is not None:
         method = choices_method or token_length_normalized
@@ -168,7 +171,8 @@ class Function:
         num_api_spec_tokens: int | None = None,
         bind_arguments: dict[str, Any] | None = None,
     ) -> None:
-        self.func, self.num_api_spec_tokens = func, num_api_spec_tokens  # spec tokens: unused
+        # API speculative execution on a hosted-API backend (radixflow.speculative)
+        self.func, self.num_api_spec_tokens = func, num_api_spec_tokens
         self.signature = inspect.signature(func)
         names = list(self.signature.parameters)
         if not names or names[0] != "s":
@@ -185,7 +189,7 @@ class Function:
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise ValueError(f"{self.__name__} has no parameter(s) {unknown}")
-        return Function(self.func, None, {**self.bind_arguments, **kwargs})
+        return Function(self.func, self.num_api_spec_tokens, {**self.bind_arguments, **kwargs})
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if len(args) > len(self.arg_names):
@@ -225,6 +229,7 @@ class Function:
             stream=stream,
             use_thread=use_thread,
             chat_template=chat_template,
+            num_api_spec_tokens=self.num_api_spec_tokens,
         )
 
     def run_batch(
@@ -259,6 +264,7 @@ class Function:
             progress_bar=progress_bar,
             generator_style=generator_style,
             chat_template=chat_template,
+            num_api_spec_tokens=self.num_api_spec_tokens,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
@@ -273,7 +279,8 @@ def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | 
 
 
 def set_default_backend(backend: Any) -> None:
-    """Programs run without backend= use this one (a Runtime or a RuntimeEndpoint)."""
+    """Programs run without backend= use this one: a Runtime, a RuntimeEndpoint, an offline
+    Engine, or a hosted-API backend (OpenAI, Anthropic, LiteLLM)."""
     global_config.default_backend = backend
 
 

@@ -89,8 +89,9 @@ class RuntimeEndpoint:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
         rid: str | None = None,
-    ) -> dict[str, Any]:
-        """-> {"text", "output_ids", "meta_info"} once the request finished."""
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """-> {"text", "output_ids", "meta_info"} once the request finished; a list of n of
+        them for sampling_params n > 1 (the n share the prompt's KV: it is prefilled once)."""
         request = GenerateRequest(
             text,
             input_ids,

@@ -58,15 +58,18 @@ class HttpTransport:
 
     # ---- the Transport methods ------------------------------------------------------------
 
-    def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
+    def generate(
+        self, request: GenerateRequest, timeout: float
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's /generate answers a list for sampling n > 1."""
         with self.watcher.waiting(request.rid or "generate"):
             return self._json("POST", "/generate", _generate_body(request), timeout)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
-        body = {**_generate_body(request), "stream": True}
+        body, seen = {**_generate_body(request), "stream": True}, 0
         with self.watcher.waiting(request.rid or "generate (streamed)") as call:
             for event in self._events("/generate", body, timeout):
-                meta = dict(event.get("meta_info") or {})  # logprob entries: incremental
+                meta, seen = _new_logprobs(dict(event.get("meta_info") or {}), seen)
                 call.tokens = len(event.get("output_ids", []))
                 yield {
                     "text": event.get("text", ""),
@@ -284,6 +287,23 @@ def _sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             code = str(error.get("code"))
             raise RuntimeEndpointError(f"[{error.get('code')}] {error['message']}", code)
         yield event
+
+
+def _new_logprobs(meta: dict[str, Any], seen: int) -> tuple[dict[str, Any], int]:
+    """A streamed event's meta with only the logprobs of its new tokens, and the count seen
+    so far. SGLang's /generate streams cumulative lists (incremental ones under its
+    incremental_streaming_output; `output_token_logprobs_length`, where sent, tells), and a
+    final result holds them all: each case gives the new entries."""
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return meta, seen
+    cumulative = len(entries) == meta.get("output_token_logprobs_length", len(entries))
+    new = entries[seen:] if cumulative else entries
+    tops = meta.get("output_top_logprobs")
+    if tops is not None and cumulative and len(tops) == len(entries):
+        meta["output_top_logprobs"] = tops[seen:]
+    meta["output_token_logprobs"] = new
+    return meta, seen + len(new)
 
 
 def _timeout(seconds: float) -> httpx.Timeout:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from radixflow.api_run import ApiRun
+from radixflow.backends.api import ApiBackend
 from radixflow.chat_template import ChatTemplate
 from radixflow.ir import (
     Constant,
@@ -40,6 +42,8 @@ from radixflow.sampling import resolve_sampling
 logger = logging.getLogger(__name__)
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
+# per-token meta a stream chunk holds for its new tokens only (SGLang's incremental form)
+INCREMENTAL_META = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 _END = object()
 
 
@@ -67,9 +71,13 @@ class StreamExecutor:
         *,
         stream: bool = False,
         use_thread: bool = True,
+        num_api_spec_tokens: int | None = None,
     ) -> None:
         self.backend, self.template, self.defaults = backend, template, defaults
         self.stream, self.use_thread = stream, use_thread
+        # a hosted API (OpenAI, Anthropic, LiteLLM) runs gens and selects its own way
+        self.api = ApiRun(backend, num_api_spec_tokens) if isinstance(backend, ApiBackend) else None
+        self.deferred: set[str] = set()  # gens of a speculated assistant turn, not yet run
         self.text = ""
         self.variables: dict[str | None, Any] = {}
         self.meta_info: dict[str | None, Any] = {}
@@ -114,7 +122,9 @@ class StreamExecutor:
     def _loop(self) -> None:
         while (item := self.queue.get()) is not _END:
             self._step(*item)
-            self.queue.task_done()
+            with self.cond:  # readers of a deferred gen wait for the queue to run dry
+                self.queue.task_done()
+                self.cond.notify_all()
         self.queue.task_done()
         self._finish()
 
@@ -127,7 +137,8 @@ class StreamExecutor:
         finally:
             if event is not None:
                 with self.cond:
-                    event.set()
+                    if produced_name(node) not in self.deferred:
+                        event.set()
                     self.cond.notify_all()
 
     def fail(self, exc: Exception) -> None:
@@ -174,7 +185,14 @@ class StreamExecutor:
     def get_var(self, name: str) -> Any:
         event = self.events.get(name)
         if event is not None:
-            event.wait()
+            with self.cond:
+                # a deferred gen with nothing left to run: its turn's end is not submitted yet
+                self.cond.wait_for(lambda: event.is_set() or self._stalled(name))
+                if not event.is_set():
+                    raise RuntimeError(
+                        f"s[{name!r}] is written when its assistant turn ends (API speculative "
+                        "execution): read it after the turn"
+                    )
         elif name not in self.variables:
             self.settle()  # maybe not submitted yet (stream=True body still running)
             if name in self.events:
@@ -190,10 +208,27 @@ class StreamExecutor:
             if meta is not None:
                 self.meta_info[name] = meta
 
+    def _stalled(self, name: str) -> bool:
+        return name in self.deferred and self.queue.unfinished_tasks == 0
+
+    def defer(self, name: str | None) -> None:
+        """A gen whose value comes when its assistant turn ends: its readers wait till then."""
+        if name is not None:
+            with self.cond:
+                self.deferred.add(name)
+                self.cond.notify_all()
+
+    def release_deferred(self) -> None:
+        with self.cond:
+            for name in self.deferred:
+                self.events[name].set()
+            self.deferred.clear()
+            self.cond.notify_all()
+
     # -- node execution (worker thread) --------------------------------------------------
     def _execute(self, node: Expr) -> None:
         if isinstance(node, Constant):
-            self._append(node.value)
+            self._fill(node.value)
         elif isinstance(node, Gen):
             self._gen(node)
         elif isinstance(node, Select):
@@ -211,7 +246,14 @@ class StreamExecutor:
         else:
             raise TypeError(f"cannot execute {node!r}")
 
-    def _append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
+    def _fill(self, text: str) -> None:
+        """Constant text or a role's markup (an API backend may defer or match it)."""
+        if self.api is not None:
+            self.api.fill(self, text)
+        else:
+            self.append(text)
+
+    def append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
         with self.cond:
             self.text += text
             if self.stream:
@@ -221,30 +263,51 @@ class StreamExecutor:
     def _gen(self, node: Gen) -> None:
         stop_str = self.template.stop_str
         sampling, options = resolve_sampling(self.defaults, node.overrides(), stop_str)
+        if self.api is not None:
+            self.api.gen(self, node.name, sampling)
+            return
+        num = sampling.get("n", 1)
         if self.stream:
+            if num != 1:
+                raise ValueError("gen(n>1) cannot stream: run the program with stream=False")
             text, meta = self._gen_stream(node.name, sampling, options)
-        else:
-            out = self.backend.generate(self.text, sampling, **options)
-            text, meta = out["text"], out["meta_info"]
-            self._append(text, node.name)
-        self.set_var(node.name, text, meta)
+            self.set_var(node.name, text, meta)
+            return
+        out = self.backend.generate(self.text, sampling, **options)
+        if num == 1:
+            self.append(out["text"], node.name)
+            self.set_var(node.name, out["text"], out["meta_info"])
+            return
+        # n samples of the same prefix (admitted together: the prefix is prefilled once); as
+        # SGLang, the text goes on with the first and the variable holds all n
+        outs = out if isinstance(out, list) else [out]
+        self.append(outs[0]["text"], node.name)
+        self.set_var(node.name, [o["text"] for o in outs], [o["meta_info"] for o in outs])
 
     def _gen_stream(
         self, name: str | None, sampling: dict[str, Any], options: dict[str, Any]
     ) -> tuple[str, dict[str, Any]]:
-        base, shown, logprobs, meta = self.text, "", [], {}
+        """Stream one gen's chunks into the text; its final meta holds all the logprobs the
+        chunks brought (each chunk's meta only its new tokens')."""
+        base, shown, meta = self.text, "", {}
+        streamed: dict[str, list[Any]] = {}
         for chunk in self.backend.generate_stream(base, sampling, **options):
             meta, new = chunk["meta_info"], chunk["text"]
-            logprobs += meta.get("output_token_logprobs") or []
+            for key in INCREMENTAL_META:
+                if meta.get(key):
+                    streamed.setdefault(key, []).extend(meta[key])
             if not new.startswith(shown):  # the runtime revised earlier text: restart it
                 with self.cond:
                     self.text, shown = base, ""
             self.set_var(name, new)
-            self._append(new[len(shown) :], name, meta)
+            self.append(new[len(shown) :], name, meta)
             shown = new
-        return shown, ({**meta, "output_token_logprobs": logprobs} if logprobs else meta)
+        return shown, {**meta, **streamed}
 
     def _select(self, node: Select) -> None:
+        if self.api is not None:
+            self.api.select(self, node.name, list(node.choices), node.choices_method)
+            return
         method = node.choices_method
         unconditional = method.requires_unconditional_logprobs
         # Token healing: "Action: " + choice would score the choice without its natural
@@ -266,7 +329,7 @@ class StreamExecutor:
             if unconditional
             else None,
         )
-        self._append(decision.decision, node.name)
+        self.append(decision.decision, node.name)
         self.set_var(node.name, decision.decision, decision.meta_info)
 
     def _role_begin(self, role: str) -> None:
@@ -276,18 +339,20 @@ class StreamExecutor:
         system = self.template.default_system_prompt
         if not self.messages and role != "system" and system is not None:
             self._role_begin("system")
-            self._append(system)
+            self._fill(system)
             self._role_end("system")
-        self._append(prefix)
+        self._fill(prefix)
         self.role = (role, len(self.text))
 
     def _role_end(self, role: str) -> None:
         if self.role is None or self.role[0] != role:
             raise ValueError(f"role {role!r} ended but the open role is {self.role!r}")
+        if self.api is not None and role == "assistant":
+            self.api.end_turn(self)
         content = self.text[self.role[1] :].lstrip()
-        self._append(self.template.get_prefix_and_suffix(role)[1])
-        self.messages.append({"role": role, "content": content})
         self.role = None
+        self._fill(self.template.get_prefix_and_suffix(role)[1])
+        self.messages.append({"role": role, "content": content})
 
     # -- fork / join ---------------------------------------------------------------------
     def spawn(self) -> StreamExecutor:
@@ -302,6 +367,7 @@ class StreamExecutor:
         child.text, child.messages, child.role = self.text, list(self.messages), self.role
         child.scopes, child.variables = dict(self.scopes), dict(self.variables)
         child.meta_info, child.exc = dict(self.meta_info), self.exc
+        child.api = self.api.fork() if self.api is not None else None
         child.body_thread = self.body_thread
         child.fork_vars, child.fork_pos = frozenset(self.variables), len(self.text)
         with self.cond:

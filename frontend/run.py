@@ -11,17 +11,22 @@ from typing import Any
 
 from tqdm import tqdm
 
+from radixflow.backends.api import ApiBackend
+from radixflow.backends.engine import OfflineEngine, engine_backend
 from radixflow.chat_template import ChatTemplate, get_chat_template, template_for_model
 from radixflow.interpreter import StreamExecutor
 from radixflow.state import ProgramState
 
 
 def resolve_backend(backend: Any) -> Any:
-    """Unwrap a Runtime to its endpoint; raise RuntimeError when there is no backend."""
+    """Unwrap a Runtime to its endpoint, an offline Engine to its in-process backend; raise
+    RuntimeError when there is no backend."""
     if backend is None:
         raise RuntimeError(
             "no backend: pass backend=... or call radixflow.set_default_backend(...) first"
         )
+    if isinstance(backend, OfflineEngine):
+        return engine_backend(backend)
     return getattr(backend, "endpoint", backend)
 
 
@@ -30,6 +35,8 @@ def resolve_template(template: ChatTemplate | str | None, backend: Any) -> ChatT
         return template
     if isinstance(template, str):
         return get_chat_template(template)
+    if isinstance(backend, ApiBackend):
+        return backend.get_chat_template()
     return template_for_model(backend.model_info())
 
 
@@ -42,12 +49,21 @@ def run_program(
     stream: bool = False,
     use_thread: bool = True,
     chat_template: ChatTemplate | str | None = None,
+    num_api_spec_tokens: int | None = None,
 ) -> ProgramState:
     """Start `func(s, **kwargs)`. Non-stream: the body runs here and this returns when it
-    has (trailing gens may still run; reads block). stream=True: the body gets a thread."""
+    has (trailing gens may still run; reads block). stream=True: the body gets a thread.
+    `num_api_spec_tokens`: API speculative execution on a hosted-API backend."""
     endpoint = resolve_backend(backend)
     template = resolve_template(chat_template, endpoint)
-    executor = StreamExecutor(endpoint, template, defaults, stream=stream, use_thread=use_thread)
+    executor = StreamExecutor(
+        endpoint,
+        template,
+        defaults,
+        stream=stream,
+        use_thread=use_thread,
+        num_api_spec_tokens=num_api_spec_tokens,
+    )
     state = ProgramState(executor)
     if stream:
         threading.Thread(target=_run_body, args=(func, state, kwargs), daemon=True).start()
@@ -77,6 +93,7 @@ def run_program_batch(
     progress_bar: bool = False,
     generator_style: bool = False,
     chat_template: ChatTemplate | str | None = None,
+    num_api_spec_tokens: int | None = None,
 ) -> list[ProgramState] | Iterator[ProgramState]:
     """Run every argument set on a thread pool; states in input order, each finished."""
     endpoint = resolve_backend(backend)
@@ -86,7 +103,14 @@ def run_program_batch(
     workers = max(1, min(int(num_threads), len(batch)))
 
     def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        state = run_program(func, kwargs, endpoint, defaults, chat_template=template)
+        state = run_program(
+            func,
+            kwargs,
+            endpoint,
+            defaults,
+            chat_template=template,
+            num_api_spec_tokens=num_api_spec_tokens,
+        )
         state.stream_executor.done.wait()
         return state
 

@@ -23,8 +23,8 @@ def resolve_sampling(
     defaults: dict[str, Any], overrides: dict[str, Any], stop_str: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Merge run() defaults with a gen's overrides -> (wire sampling params, logprob options).
-    dtype becomes a regex; the template's stop strings are added. Raises ValueError for
-    what a program cannot express (n > 1, an unknown dtype)."""
+    dtype becomes a regex; the template's stop strings are added. Raises ValueError for an
+    unknown dtype."""
     params = {**defaults, **overrides}
     options = {k: params.pop(k) for k in LOGPROB_OPTIONS if k in params}
     params.pop("return_text_in_logprobs", None)  # entries carry token text None
@@ -39,8 +39,6 @@ def resolve_sampling(
         params["regex"], extra_stop = DTYPE_REGEX[key]
         stop += extra_stop
     params["stop"] = list(dict.fromkeys(stop + list(stop_str)))
-    if params.get("n", 1) != 1:
-        raise ValueError("gen(n>1) is not supported in a program; fork the state instead")
     # Names were checked by gen(); values are validated once, where the request enters the
     # runtime (server or Engine), and come back as a clear error.
     return params, options

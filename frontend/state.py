@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from radixflow.interpreter import StreamExecutor
+from radixflow.interpreter import INCREMENTAL_META, StreamExecutor
 from radixflow.ir import ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr, flatten
 
 
@@ -42,7 +42,8 @@ class ProgramState:
     set_var = __setitem__
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
-        """Block until `name` is produced; its runtime meta info (tokens, finish reason)."""
+        """Block until `name` is produced; its runtime meta info (tokens, finish reason); a
+        list of n of them for gen(n>1)."""
         self.stream_executor.get_var(name)
         return self.stream_executor.meta_info.get(name, {})
 
@@ -133,8 +134,10 @@ class ProgramState:
     async def text_async_iter(
         self, var_name: str | None = None, return_meta_data: bool = False
     ) -> AsyncIterator[Any]:
-        """Async text_iter. With return_meta_data, yields (chunk, meta_info); the incremental
-        output_token_logprobs of chunks that added no text are merged into the next one."""
+        """Async text_iter. With return_meta_data, yields (chunk, meta_info) in SGLang's
+        incremental form: a chunk's output_token_logprobs (output_top_logprobs,
+        output_token_ids_logprobs) are those of its own new tokens, and the ones of chunks
+        that added no text are merged into the next chunk's."""
         loop = asyncio.get_running_loop()
         executor = self.stream_executor
         if not executor.stream:
@@ -143,17 +146,15 @@ class ProgramState:
             meta = executor.meta_info.get(var_name, {})
             yield (value, meta) if return_meta_data else value
             return
-        pieces, carried = executor.iter_pieces(var_name), []
+        pieces, carried = executor.iter_pieces(var_name), {}
         while (piece := await loop.run_in_executor(None, next, pieces, None)) is not None:
             meta = piece.meta or {}
-            carried = carried + (meta.get("output_token_logprobs") or [])
+            for key in INCREMENTAL_META:
+                if key in meta or key in carried:
+                    carried[key] = carried.get(key, []) + list(meta.get(key) or [])
             if piece.text:
-                yield (
-                    (piece.text, {**meta, "output_token_logprobs": carried})
-                    if (return_meta_data)
-                    else piece.text
-                )
-                carried = []
+                yield (piece.text, {**meta, **carried}) if return_meta_data else piece.text
+                carried = {}
 
     def __repr__(self) -> str:
         self.sync()  # but never raise from repr

@@ -63,8 +63,11 @@ class Transport(Protocol):
     request alive, see `Liveness`; a timed-out generation is aborted on the server), or at
     once when the server is unreachable or goes away."""
 
-    def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
-        """-> {"text", "output_ids", "meta_info"} once the request finished."""
+    def generate(
+        self, request: GenerateRequest, timeout: float
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """-> {"text", "output_ids", "meta_info"} once the request finished; a list of n of
+        them for sampling_params n > 1 (n samples of the prompt, which is prefilled once)."""
         ...
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:

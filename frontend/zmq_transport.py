@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from radixflow.runtime.protocol.messages import (
     CLIENT_REPLIES,
     ERROR_DISCONNECTED,
     ERROR_FAILED,
+    ERROR_INVALID_REQUEST,
     ERROR_TIMEOUT,
     PING_INTERVAL_S,
     Abort,
@@ -68,8 +70,28 @@ class ZmqTransport:
         self.address = address
         self.connection = Connection(address, api_key, liveness)
 
-    def generate(self, request: GenerateRequest, timeout: float) -> dict[str, Any]:
-        return self._call(_generate_message(request, stream=False), timeout, abort=True)
+    def generate(
+        self, request: GenerateRequest, timeout: float
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One result; a list of n for sampling n > 1, sent as n requests back to back (the
+        protocol's way): the scheduler prefills their prompt once, for the first admitted, and
+        the others find it in the radix tree (or wait a step for it)."""
+        samples = _samples(request)
+        if len(samples) == 1:
+            return self._call(_generate_message(request, stream=False), timeout, abort=True)
+        msgs = [_generate_message(sample, stream=False) for sample in samples]
+        waiters = [self.connection.submit(msg, timeout, watch=True) for msg in msgs]
+        done = 0
+        try:
+            results = []
+            for msg, waiter in zip(msgs, waiters):
+                results.append(_result(self._next(waiter, msg.rid, timeout)))
+                done += 1
+            return results
+        finally:
+            for msg in msgs[done:]:  # a sample failed or timed out: drop the others
+                self.connection.forget(msg.rid)
+                self._send_abort(msg.rid)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
         msg = _generate_message(request, stream=True)
@@ -156,6 +178,24 @@ class ZmqTransport:
             self.connection.send(Abort(_new_rid(), rid))  # its reply is dropped
 
 
+def _samples(request: GenerateRequest) -> list[GenerateRequest]:
+    """The n requests of sampling n (seeds counted up, as the server's doors do for n)."""
+    params = request.sampling_params
+    num = params.get("n", 1)
+    if num == 1:
+        return [request]
+    if type(num) is not int or not 1 <= num <= 64:
+        raise RuntimeEndpointError(f"invalid sampling parameter n={num!r}", ERROR_INVALID_REQUEST)
+    samples = []
+    for j in range(num):
+        one = {**params, "n": 1}
+        if type(one.get("seed")) is int:
+            one["seed"] += j  # n equal seeds would give n equal samples
+        rid = None if request.rid is None else f"{request.rid}-{j}"
+        samples.append(dataclasses.replace(request, sampling_params=one, rid=rid))
+    return samples
+
+
 def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
     return Generate(
         request.rid or _new_rid(),
@@ -172,8 +212,9 @@ def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
 def _last_chunk(data: dict[str, Any], num_logprobs: int) -> dict[str, Any]:
     """A stream's final item from the full result: logprobs of the tokens not yet sent."""
     meta = dict(data["meta_info"])
-    if "output_token_logprobs" in meta:
-        meta["output_token_logprobs"] = meta["output_token_logprobs"][num_logprobs:]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if meta.get(key) is not None:
+            meta[key] = meta[key][num_logprobs:]
     return {**data, "meta_info": meta, "finished": True}
 
 

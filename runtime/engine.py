@@ -13,21 +13,18 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime.config import ServerConfig, config_from_kwargs
+from radixflow.runtime.engine_request import EngineRequest, finished_output
 from radixflow.runtime.launch import LoadedModel, build_scheduler
 from radixflow.runtime.protocol.limits import RequestLimits
 from radixflow.runtime.protocol.messages import POOLINGS
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
-from radixflow.runtime.tokenizer import (
-    IncrementalDetokenizer,
-    build_output,
-)
 
 log = logging.getLogger("radixflow.engine")
 PREFILL_ONLY = SamplingParams(max_new_tokens=0)
@@ -59,45 +56,6 @@ def normalize_prompts(
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("prompt must be a string or a list of strings")
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts], list(texts), single
-
-
-class EngineRequest:
-    """A read-only view of one submitted request, for callers that drive `Engine.step()`
-    themselves (per-request timing, arrivals during decoding). Times are time.monotonic()."""
-
-    def __init__(self, req: Req, engine: Engine) -> None:
-        self._req, self._engine = req, engine
-
-    @property
-    def rid(self) -> str:
-        return self._req.rid
-
-    @property
-    def finished(self) -> bool:
-        return self._req.finished
-
-    @property
-    def output_ids(self) -> list[int]:
-        return list(self._req.output_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self._req.output_ids)
-
-    @property
-    def arrival(self) -> float:
-        return self._req.arrival
-
-    @property
-    def token_times(self) -> list[float]:
-        return list(self._req.token_times)
-
-    def result(self) -> dict[str, Any]:
-        """The final {text, output_ids, meta_info} (as `generate` returns it). Raises
-        RuntimeError while the request runs."""
-        if not self._req.finished:
-            raise RuntimeError(f"request {self.rid} has not finished")
-        return self._engine.result(self._req)
 
 
 class Engine:
@@ -158,7 +116,7 @@ class Engine:
         )
         for req in reqs:
             self.scheduler.add_request(req)
-        return [EngineRequest(req, self) for req in reqs]
+        return [EngineRequest(req, self.tokenizer) for req in reqs]
 
     def step(self) -> bool:
         """Run one scheduler step (admit, forward, sample) if there is work; returns whether
@@ -180,7 +138,8 @@ class Engine:
     ) -> Any:
         """Generate for one prompt (a dict, or a list of n dicts when n > 1) or a list of
         prompts (a list of dicts, n per prompt). `stream=True` (one prompt, n == 1) returns
-        an iterator of cumulative chunks. Raises ValueError on bad parameters."""
+        an iterator of chunks (`EngineRequest.next_chunk`: cumulative text, the new tokens'
+        logprobs). Raises ValueError on bad parameters."""
         id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
         reqs = self._build(
             id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream
@@ -231,11 +190,19 @@ class Engine:
         self,
         prompt: str | list[str] | list[int] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        stream: bool = False,
         **options: Any,
     ) -> Any:
         """`generate` for asyncio: requests from many coroutines of one event loop batch
-        together (each waiting coroutine steps the shared scheduler, then yields)."""
-        handles = self.submit(prompt, sampling_params, **options)
+        together (each waiting coroutine steps the shared scheduler, then yields). With
+        stream=True (one prompt, n == 1) the awaited value is an async iterator of chunks, as
+        SGLang's: `async for chunk in await engine.async_generate(..., stream=True)`."""
+        handles = self.submit(prompt, sampling_params, stream=stream, **options)
+        if stream:
+            if len(handles) != 1:
+                raise ValueError("stream=True takes one prompt with n == 1")
+            return self._async_stream(handles[0])
         while not all(h.finished for h in handles):
             self.step()
             await asyncio.sleep(0)
@@ -243,6 +210,16 @@ class Engine:
         ids = options.get("input_ids")
         single = isinstance(prompt, str) or _is_id_list(prompt) or _is_id_list(ids)
         return results[0] if single and len(results) == 1 else results
+
+    async def _async_stream(self, handle: EngineRequest) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            chunk = handle.next_chunk()
+            if chunk is not None:
+                yield chunk
+                if chunk["finished"]:
+                    return
+            self.step()
+            await asyncio.sleep(0)
 
     def _build(
         self,
@@ -284,20 +261,14 @@ class Engine:
 
     def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
         self.scheduler.add_request(req)
-        detok = IncrementalDetokenizer(self.tokenizer, req.input_ids[-8:])
-        sent = 0
-        while not req.finished:
+        handle = EngineRequest(req, self.tokenizer)
+        while True:
             self.scheduler.step()
-            if len(req.output_ids) > sent and not req.finished:
-                text = detok.update(req.output_ids)
-                sent = len(req.output_ids)
-                yield {
-                    "text": text,
-                    "output_ids": list(req.output_ids),
-                    "finished": False,
-                    "meta_info": req.meta_info(),
-                }
-        yield {**self.result(req), "finished": True}
+            chunk = handle.next_chunk()
+            if chunk is not None:
+                yield chunk
+                if chunk["finished"]:
+                    return
 
     def result(self, req: Req) -> dict[str, Any]:
         """Final text and meta data of a finished request."""
@@ -305,6 +276,17 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return self.scheduler.stats()
+
+    def get_model_info(self) -> dict[str, Any]:
+        """The served model (SGLang's Engine method): path, context length, chat template..."""
+        return dict(self.model_info)
+
+    def get_server_info(self) -> dict[str, Any]:
+        """SGLang's shape: the configuration, then `internal_states` (the scheduler's stats:
+        cached and computed prefill tokens, slots, requests)."""
+        config = dataclasses.asdict(self.config)
+        config.pop("api_key")
+        return {**config, **self.model_info, "internal_states": [self.stats()]}
 
     def flush_cache(self) -> bool:
         return self.scheduler.tree.flush()
@@ -326,25 +308,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def finished_output(req: Req, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
-    """The result dict of a finished request: text trimmed at its stop, ids, meta data."""
-    out = build_output(
-        tokenizer,
-        req.output_ids,
-        req.input_ids,
-        req.sampling,
-        req.finish_reason,
-        req.meta_info(),
-        return_logprob=req.return_logprob,
-        logprob_start_len=req.logprob_start_len,
-        top_logprobs_num=req.top_logprobs_num,
-        output_logprobs=req.output_logprobs,
-        input_logprobs=req.input_logprobs,
-        output_top_logprobs=req.output_top_logprobs,
-        input_top_logprobs=req.input_top_logprobs,
-    )
-    if req.error:
-        out["error"] = req.error
-    return out

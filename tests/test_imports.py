@@ -23,10 +23,14 @@ TORCH_FREE = [
     "radixflow.backend",
     "radixflow.api",
     "radixflow.interpreter",
+    "radixflow.backends.engine",
+    "radixflow.backends.openai",
 ]
 DSL_MODULES = (
     "radixflow.api",
     "radixflow.backend",
+    "radixflow.backends.engine",
+    "radixflow.backends.openai",
     "radixflow.chat_template",
     "radixflow.choices",
     "radixflow.interpreter",
@@ -75,3 +79,10 @@ def test_dsl_names_resolve_on_first_use() -> None:
     assert set(radixflow.__all__) <= set(dir(radixflow))
     for name in radixflow.__all__:
         assert getattr(radixflow, name) is not None
+
+
+def test_api_backends_import_their_sdk_only_when_constructed() -> None:
+    loaded = loaded_after("import radixflow as sgl; sgl.OpenAI, sgl.Anthropic, sgl.LiteLLM")
+    sdks = [m for m in loaded if m.split(".")[0] in ("openai", "anthropic", "litellm")]
+    assert "radixflow.backends.openai" in loaded and not sdks, sdks
+    assert "torch" not in loaded

@@ -161,9 +161,9 @@ def test_resolve_sampling_defaults_dtype_and_template_stop() -> None:
     assert params["regex"] == sgl.REGEX_INT and params["stop"] == [" ", "\n", "<|im_end|>"]
     assert options == {"return_logprob": True}
     assert resolve_sampling({}, {"dtype": "bool"}, ())[0]["regex"] == sgl.REGEX_BOOL
-    for bad in ({"n": 2}, {"dtype": list}):
-        with pytest.raises(ValueError):
-            resolve_sampling({}, bad, ())
+    assert resolve_sampling({}, {"n": 2}, ())[0]["n"] == 2  # n samples, on every backend
+    with pytest.raises(ValueError):
+        resolve_sampling({}, {"dtype": list}, ())
 
 
 @sgl.function

@@ -1,5 +1,9 @@
 """Programs written exactly as for SGLang (only the import differs), end to end on SmolLM2
-through one real server; plus the fork prefix-once and run_batch checks on the server."""
+through one real server; plus the fork prefix-once and run_batch checks on the server. The
+same server is an OpenAI API for sgl.OpenAI (its /v1): the same programs give the same text
+as over the runtime endpoint, greedy, in chat and completion form; API speculative execution
+saves calls (counted by the server's /metrics) and keeps the result; gen(n) and stop_regex
+through every door."""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import json
 import re
 from typing import Any
 
+import httpx
+import openai
 import pytest
 
 import radixflow as sgl
@@ -183,3 +189,155 @@ def test_run_batch_64_in_order_with_progress_bar(
     assert all(state.text().startswith(f"Number {i}.") for i, state in enumerate(states))
     assert all(isinstance(state["next"], str) for state in states)
     assert "64/64" in capsys.readouterr().err
+
+
+# ---- sgl.OpenAI on the server's /v1; gen(n) and stop_regex on every door ----------------
+
+
+@pytest.fixture(scope="module")
+def chat(runtime: Any) -> sgl.OpenAI:
+    return sgl.OpenAI("smollm2", base_url=runtime.url + "/v1", api_key="EMPTY")
+
+
+@pytest.fixture(scope="module")
+def completion(runtime: Any) -> sgl.OpenAI:
+    return sgl.OpenAI("smollm2", is_chat_model=False, base_url=runtime.url + "/v1", api_key="x")
+
+
+def calls_to(runtime: Any, route: str) -> int:
+    """The server's count of answered requests on `route` (/metrics)."""
+    text = httpx.get(runtime.url + "/metrics").text
+    found = re.search(rf'radixflow:http_requests_total{{route="{route}",status="200"}} (\d+)', text)
+    return int(found.group(1)) if found else 0
+
+
+@sgl.function
+def two_turns(s: Any, question: str) -> None:
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=16))
+    s += sgl.user("Say it again in one word.")
+    s += sgl.assistant(sgl.gen("again", max_tokens=6))
+
+
+def test_chat_model_answers_as_the_runtime_endpoint(runtime: Any, chat: sgl.OpenAI) -> None:
+    question = "What is the capital of France?"
+    direct = two_turns.run(question=question, temperature=0, backend=runtime.endpoint)
+    over_api = two_turns.run(question=question, temperature=0, backend=chat)
+    assert over_api.error() is None, over_api.error()
+    assert "Paris" in direct["answer"]
+    assert (over_api["answer"], over_api["again"]) == (direct["answer"], direct["again"])
+    # the endpoint's text carries SmolLM2's default system prompt; the server adds it to the
+    # chat call's messages the same way
+    assert over_api.messages() == direct.messages()[1:]
+
+
+FEW_SHOT = (
+    "Country: France\nCapital: Paris\nLanguage: French\n\n"
+    "Country: Japan\nCapital: Tokyo\nLanguage: Japanese\n\n"
+    "Country: Germany\nCapital: Berlin\nLanguage: German\n\n"
+)
+
+
+def country(s: Any, name: str) -> None:
+    s += FEW_SHOT + "Country: " + name + "\nCapital:" + sgl.gen("capital", stop="\n")
+    s += "\nLanguage:" + sgl.gen("language", stop="\n")
+    s += "\n\nCountry:" + sgl.gen("next", stop="\n")
+    s += "\nCapital: " + sgl.select("guess", choices=["Madrid", "Rome", "Lisbon"])
+
+
+plain, speculated = sgl.function(country), sgl.function(num_api_spec_tokens=48)(country)
+VARIABLES = ("capital", "language", "next", "guess")
+
+
+def test_completion_model_and_speculation_save_calls_not_text(
+    runtime: Any, completion: sgl.OpenAI
+) -> None:
+    kwargs = {"name": "Italy", "temperature": 0, "max_new_tokens": 8}
+    direct = plain.run(**kwargs, backend=runtime.endpoint)
+    before = calls_to(runtime, "/v1/completions")
+    over_api = plain.run(**kwargs, backend=completion)
+    assert over_api.text() == direct.text()
+    between = calls_to(runtime, "/v1/completions")
+    spec = speculated.run(**kwargs, backend=completion)
+    assert spec.text() == direct.text()
+    after = calls_to(runtime, "/v1/completions")
+    values = [direct[v] for v in VARIABLES]
+    assert values[:2] == [" Rome", " Italian"]
+    assert [over_api[v] for v in VARIABLES] == values == [spec[v] for v in VARIABLES]
+    # a call per gen, one for select (echo + logprobs); speculated: the 3 gens in one call
+    assert (between - before, after - between) == (4, 2)
+    assert over_api.get_meta_info("guess")["normalized_prompt_logprobs"][1] == max(
+        over_api.get_meta_info("guess")["normalized_prompt_logprobs"]
+    )
+
+
+@sgl.function(num_api_spec_tokens=32)
+def scientist(s: Any, discovery: str) -> None:
+    s += sgl.user("Who discovered gravity?")
+    s += sgl.assistant("Name: Isaac Newton\nField: physics")
+    s += sgl.user("Who discovered radium?")
+    s += sgl.assistant("Name: Marie Curie\nField: chemistry")
+    s += sgl.user(f"Who discovered {discovery}?")
+    s += sgl.assistant("Name: " + sgl.gen("name", stop="\n") + "\nField: " + sgl.gen("field"))
+
+
+def test_speculation_writes_a_chat_turn_in_one_call(runtime: Any, chat: sgl.OpenAI) -> None:
+    before = calls_to(runtime, "/v1/chat/completions")
+    state = scientist.run(discovery="penicillin", temperature=0, backend=chat)
+    assert state.error() is None, state.error()
+    assert calls_to(runtime, "/v1/chat/completions") - before == 1
+    turn = state.messages()[-1]["content"]
+    assert turn == f"Name: {state['name']}\nField: {state['field']}" and state["name"]
+    # the turn is the model's one answer to the conversation (a call per gen is impossible
+    # here: the chat API does not continue a started assistant message)
+    client = openai.OpenAI(base_url=runtime.url + "/v1", api_key="x")
+    reply = client.chat.completions.create(
+        model="smollm2", messages=state.messages()[:-1], max_tokens=32, temperature=0
+    )
+    assert reply.choices[0].message.content == turn
+
+
+@sgl.function
+def samples(s: Any) -> None:
+    s += SHARED + "Fact 20:" + sgl.gen("fact", max_tokens=4, n=4, temperature=1.0)
+
+
+SHARED = "Here are facts about the sea.\n" + "".join(
+    f"Fact {i}: the sea covers much of the planet and holds {i + 3} kinds of fish.\n"
+    for i in range(10)
+)
+
+
+def test_gen_n_gives_n_samples_and_prefills_their_prefix_once(
+    runtime: Any, completion: sgl.OpenAI
+) -> None:
+    http = sgl.RuntimeEndpoint(runtime.url)
+    prompt = len(runtime.get_tokenizer()(SHARED, add_special_tokens=False)["input_ids"])
+    assert prompt > 200
+    for backend in (runtime.endpoint, http):
+        assert backend.flush_cache()
+        before = backend.stats()["prefill_tokens_computed"]
+        state = samples.run(backend=backend)
+        fact = state["fact"]
+        assert isinstance(fact, list) and len(fact) == 4 and all(isinstance(f, str) for f in fact)
+        assert state.text().endswith("Fact 20:" + fact[0])  # the text goes on with the first
+        computed = backend.stats()["prefill_tokens_computed"] - before
+        assert prompt <= computed < prompt + 4 * 8, (computed, prompt)  # once, not 4 times
+    state = samples.run(backend=completion)
+    assert len(state["fact"]) == 4 and all(isinstance(f, str) for f in state["fact"])
+
+
+@sgl.function
+def sentence(s: Any, stop_regex: str | None) -> None:
+    s += "The capital of France is" + sgl.gen("rest", max_tokens=16, stop_regex=stop_regex)
+
+
+def test_stop_regex_stops_at_its_match(runtime: Any, completion: sgl.OpenAI) -> None:
+    pattern = r"[.!?]"
+    full = sentence.run(stop_regex=None, temperature=0, backend=runtime.endpoint)["rest"]
+    http = sgl.RuntimeEndpoint(runtime.url)
+    for backend in (runtime.endpoint, http, completion):
+        rest = sentence.run(stop_regex=pattern, temperature=0, backend=backend)["rest"]
+        # ends at the first match: the match is kept (SGLang's), nothing follows it
+        assert re.search(pattern, rest).end() == len(rest), (backend, rest)
+        assert full.startswith(rest) and len(rest) < len(full), (rest, full)
