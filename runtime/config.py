@@ -47,6 +47,12 @@ class ServerConfig:
     revision: str = _knob("", "branch, tag or commit of a hub id in the local cache ('' = main)")
     served_model_name: str = _knob("", "model name reported to clients; '' = --model-path")
     chat_template: str = _knob("", "chat template file or Jinja string overriding the model's")
+    is_embedding: bool = _knob(
+        False,
+        "serve embeddings only (/v1/embeddings, /api/embed; generation is refused): an encoder "
+        "(BertModel, XLMRobertaModel) needs it; a decoder embeds from its hidden states as it "
+        "does without it",
+    )
     trust_remote_code: bool = _knob(False, "refused: radixflow never runs a checkpoint's code")
     host: str = _knob("127.0.0.1", "address to bind; anything but loopback needs --api-key")
     port: int = _knob(

@@ -22,7 +22,7 @@ from radixflow.runtime.config import ServerConfig, config_from_kwargs
 from radixflow.runtime.engine_request import EngineRequest, finished_output
 from radixflow.runtime.launch import LoadedModel, build_scheduler
 from radixflow.runtime.protocol.limits import RequestLimits
-from radixflow.runtime.protocol.messages import POOLINGS
+from radixflow.runtime.protocol.messages import EMBEDDING_ONLY, POOLINGS
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
 
@@ -35,9 +35,10 @@ def _is_id_list(value: Any) -> bool:
 
 
 def normalize_prompts(
-    prompt: Any, input_ids: Any, tokenizer: PreTrainedTokenizerBase
+    prompt: Any, input_ids: Any, tokenizer: PreTrainedTokenizerBase, special: bool = False
 ) -> tuple[list[list[int]], list[str | None], bool]:
-    """-> (token id lists, texts, was a single prompt). Raises ValueError on bad input."""
+    """-> (token id lists, texts, was a single prompt); text tokenized with the special
+    tokens when `special` (an encoder's). Raises ValueError on bad input."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt (text) and input_ids")
     if input_ids is None and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -55,7 +56,7 @@ def normalize_prompts(
     texts = [prompt] if single else prompt
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("prompt must be a string or a list of strings")
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts], list(texts), single
+    return [tokenizer.encode(t, add_special_tokens=special) for t in texts], list(texts), single
 
 
 class Engine:
@@ -160,16 +161,19 @@ class Engine:
         prompt: str | list[str] | list[int] | None = None,
         *,
         input_ids: list[int] | list[list[int]] | None = None,
-        pooling: str = "last",
+        pooling: str = "",
     ) -> Any:
         """Embeddings (SGLang's `Engine.encode`): per prompt {"embedding": the final hidden
-        state after the final norm, pooled ("last" token or "mean"), L2-normalized, as floats;
-        "meta_info"}; one dict for one prompt, else a list. Each prompt is a prefill-only
-        request, batched like any prefill. Raises ValueError on bad input, RuntimeError if
-        the scheduler failed a request."""
+        state (after a decoder's final norm), pooled ("last" token, "mean" or "cls", the first;
+        "": the model's default), L2-normalized, as floats; "meta_info"}; one dict for one
+        prompt, else a list. Each prompt is a prefill-only request, batched like any prefill;
+        an encoder's text gets its special tokens. Raises ValueError on bad input,
+        RuntimeError if the scheduler failed a request."""
+        pooling = pooling or self.model_info["pooling"]
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
+        special = bool(self.model_info["is_encoder"])
+        id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer, special)
         for ids in id_lists:
             self.limits.check(ids, None)
         reqs = [
@@ -231,6 +235,8 @@ class Engine:
         stream: bool,
     ) -> list[Req]:
         """One typed Req per prompt and sample; every check runs before any is queued."""
+        if self.config.is_embedding:
+            raise ValueError(EMBEDDING_ONLY)
         params = (
             sampling_params
             if isinstance(sampling_params, list)

@@ -42,6 +42,7 @@ from radixflow.runtime.model_executor.model_runner import (
     pick_dtype,
 )
 from radixflow.runtime.model_executor.threads import ThreadGovernor
+from radixflow.runtime.models.bert import Encoder, sentence_pooling
 from radixflow.runtime.models.card import model_card
 from radixflow.runtime.models.layers import CausalLM
 from radixflow.runtime.models.loader import (
@@ -69,7 +70,7 @@ class ModelBundle:
 
 @dataclass
 class LoadedModel:
-    model: CausalLM
+    model: CausalLM | Encoder
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     hf_config: dict[str, Any]
@@ -130,6 +131,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         loaded.hf_config,
     )
     device = next(model.parameters()).device
+    encoder = isinstance(model, Encoder)
     if config.context_length > model.config.max_position:
         raise ValueError(
             f"context_length {config.context_length} exceeds the model's "
@@ -146,7 +148,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         pool.num_slots,
         seed=config.seed,
         shared_prefix=not config.disable_shared_prefix_attention,
-        cuda_graph_max_bs=graph_max_bs(config, model),
+        cuda_graph_max_bs=0 if encoder else graph_max_bs(config, model),
         max_kv_len=context_len,
         prefault=not config.disable_kv_prefault,
         governor=governor(config, device, loaded.tp is not None),
@@ -163,8 +165,11 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         context_len=context_len,
         vocab_size=model.config.vocab_size,
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        grammars=_grammar_backend(config, tokenizer, model.config.vocab_size, eos),
+        grammars=None  # embeddings only: no generation, no grammar
+        if config.is_embedding
+        else _grammar_backend(config, tokenizer, model.config.vocab_size, eos),
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        encoder=encoder,
     )
     info = {
         "model": config.served_model_name or config.model_path,
@@ -185,6 +190,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
             model_sampling_defaults(model_dir) if config.sampling_defaults == "model" else {}
         ),
         "card": model_card(model_dir, hf_config),  # what the weights are (Ollama's listings)
+        # an encoder (--is-embedding): embed inputs get its special tokens ([CLS] ... [SEP])
+        "is_encoder": encoder,
+        "is_embedding": config.is_embedding,
+        "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

@@ -25,6 +25,7 @@ from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
 from radixflow.runtime.model_executor.threads import ThreadGovernor
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
+from radixflow.runtime.models.bert import Encoder, EncoderConfig
 from radixflow.runtime.models.layers import CausalLM, ModelConfig
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
 from radixflow.runtime.models.prepack import prepack
@@ -50,12 +51,13 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def load_model(
     model_dir: Path, config: ServerConfig, device: torch.device, dtype: torch.dtype
-) -> CausalLM:
+) -> CausalLM | Encoder:
     """Build the family's decoder from `model_dir` (config.json + safetensors shards, or a
     GGUF's directory) and load its weights: a GGUF's and an AWQ/GPTQ checkpoint's matrices
     kept quantized (unless --dequantize-weights), an fp32/bf16 checkpoint's quantized to int8
     with --quantization int8. Raises UnsupportedModelError (architecture, option or attention
-    backend) or CheckpointError (missing, unexpected or misshapen weights)."""
+    backend) or CheckpointError (missing, unexpected or misshapen weights). An encoder
+    (models/bert.py) loads only with --is-embedding."""
     hf_config = load_hf_config(model_dir)
     model_config = models.model_config(hf_config)
     method = checkpoint_quant.quant_method(hf_config)
@@ -64,6 +66,8 @@ def load_model(
             f"--quantization {config.quantization}: the checkpoint is "
             + (f"{method}-quantized" if method else "not quantized (int8 quantizes at load)")
         )
+    if isinstance(model_config, EncoderConfig):
+        return load_encoder(model_dir, model_config, config, device, dtype)
     ops = pick_ops(config.attention_backend, device, model_config)
     source = gguf_source(model_dir)
     if source is not None and not config.dequantize_weights:
@@ -94,6 +98,31 @@ def load_model(
         quantized.set_activations(model, config.quantized_activations)
         quantized.choose_dense_rows(model)
     return finish_load(model, config)
+
+
+def load_encoder(
+    model_dir: Path,
+    model_config: EncoderConfig,
+    config: ServerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Encoder:
+    """An encoder's weights as they are (no quantization, no CPU prepacking or decode loop:
+    it neither decodes nor stores KV). Raises UnsupportedModelError without --is-embedding,
+    or for a quantized or GGUF checkpoint."""
+    if not config.is_embedding:
+        raise models.UnsupportedModelError(
+            f"{model_config.architecture} is an encoder: it serves embeddings only, "
+            "pass --is-embedding"
+        )
+    if config.quantization or gguf_source(model_dir) is not None:
+        raise models.UnsupportedModelError("encoders load from fp32/bf16 safetensors only")
+    model = Encoder(model_config, get_ops("torch", device))
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(model_dir):
+        state.update(load_file(str(file)))
+    model.load_hf_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def _quantized_only_on_cpu(device: torch.device, dtype: torch.dtype) -> None:
@@ -206,7 +235,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | Encoder,
         num_slots: int,
         seed: int = 0,
         *,
@@ -226,7 +255,9 @@ class ModelRunner:
         quant_cpu = self.device.type == "cpu" and bool(quantized.quant_layers(model))
         self.split = SplitTuner() if quant_cpu else None
         c = model.config
-        shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
+        # an encoder stores no KV: its pool is bookkeeping only (models/bert.py)
+        layers = c.num_layers if model.stores_kv else 0
+        shape = (layers, num_slots, c.num_kv_heads, c.head_dim)
         # --kv-cache-dtype: a bf16 pool beside fp32 weights halves the KV memory; attention
         # reads it upcast (the native CPU kernels convert as they load)
         self.kv_dtype = kv_dtype or self.dtype

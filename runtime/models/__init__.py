@@ -2,7 +2,8 @@
 
 Importing this package does not import torch (the loader checks names with it); the family
 modules (`llama`, `phi3`, `gemma`) map a transformers config object to the shared decoder's
-`ModelConfig` (`layers.py`), refusing options they do not implement.
+`ModelConfig` (`layers.py`), refusing options they do not implement; `bert` maps an encoder's
+to its own `EncoderConfig` (embeddings only).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",  # its text model; the vision tower is skipped
+    # encoders, for embeddings only (--is-embedding)
+    "BertModel": "bert",
+    "RobertaModel": "bert",
+    "XLMRobertaModel": "bert",
 }
+ENCODERS = ("BertModel", "RobertaModel", "XLMRobertaModel")
 # model_type (config.json) -> architecture, for configs that name no architecture
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -31,6 +37,9 @@ MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 
@@ -53,7 +62,8 @@ def architecture_of(config: dict[str, Any]) -> str:
 
 
 def model_config(hf_config: Any) -> Any:
-    """transformers config object -> `layers.ModelConfig`; raises UnsupportedModelError."""
+    """transformers config object -> `layers.ModelConfig` (`bert.EncoderConfig` for an
+    encoder); raises UnsupportedModelError."""
     arch = architecture_of(hf_config.to_dict())  # quantization_config: checkpoint_quant.py
     family = importlib.import_module(f"radixflow.runtime.models.{ARCHITECTURES[arch]}")
     return family.CONFIGS[arch](hf_config, arch)

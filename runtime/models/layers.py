@@ -316,6 +316,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head of any supported family."""
 
+    stores_kv = True  # the runner allocates its KV cache (an Encoder's is empty)
+
     def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
         super().__init__()
         self.config = config

@@ -29,10 +29,13 @@ is global). A value the request cannot be served with (ranges, lengths, sampling
                   sharing the prefix through the radix cache.
     cache_prefix  text: prefill only (max_new_tokens = 0) so later requests hit the cache
     embed         text (a list of strings) | input_ids (a list of id lists), exactly one, not
-                  empty; pooling "last" (default: the last token's hidden state) or "mean"
-                  (of every position's). Each input is one prefill-only request (checked
-                  against the context as a generate prompt is); all run as one batch, and
-                  with generate requests in the same steps
+                  empty; pooling "last" (the last token's hidden state), "mean" (of every
+                  position's) or "cls" (the first position's); "" (default): the model's own
+                  ("last" for a decoder, an encoder's sentence-transformers pooling config).
+                  An encoder's text gets its special tokens. Each input is one prefill-only
+                  request (checked against the context as a generate prompt is); all run as
+                  one batch, and with generate requests in the same steps. A server started
+                  with --is-embedding refuses generate, score and cache_prefix.
     abort         target_rid: finish that request wherever it is (queued, chunking,
                   decoding); idempotent, an unknown or finished rid is not an error
     status        target_rids: where each of those requests stands. A client waiting on a
@@ -107,7 +110,8 @@ from typing import Any, ClassVar
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
-POOLINGS = ("last", "mean")  # how an embed request pools its hidden states
+POOLINGS = ("last", "mean", "cls")  # how an embed request pools its hidden states
+EMBEDDING_ONLY = "this server serves embeddings (--is-embedding)"  # a generation's refusal
 PING_INTERVAL_S = 1.0
 CLIENT_TIMEOUT_S = 6.0
 
@@ -175,7 +179,7 @@ class Embed:
     rid: str
     text: list[str] | None = None
     input_ids: list[list[int]] | None = None
-    pooling: str = "last"
+    pooling: str = ""  # "": the model's default
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ class ReqSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0
-    pooling: str = ""  # an embedding request ("last" | "mean", prefill only); "" generates
+    pooling: str = ""  # an embedding request (one of POOLINGS, prefill only); "" generates
 
 
 @dataclass(frozen=True)

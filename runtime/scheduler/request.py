@@ -38,7 +38,10 @@ class Req:
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
     stream: bool = False
-    pooling: str = ""  # an embedding request: "last" | "mean" (prefill only); "" generates
+    pooling: str = ""  # an embedding request: "last" | "mean" | "cls" (prefill only); "" generates
+    # an encoder's request: its whole input in one step (never chunked), nothing taken from
+    # or given to the radix tree (set by the scheduler of an encoder model)
+    whole_input: bool = False
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -100,8 +103,8 @@ class Req:
     def max_prefix_len(self) -> int:
         """Longest prefix that may come from the cache: at least one token is computed, and
         every position whose input logprob is wanted is recomputed."""
-        if self.pooling == "mean":
-            return 0  # every position's hidden state is computed, none comes from the cache
+        if self.pooling in ("mean", "cls") or self.whole_input:
+            return 0  # every position's hidden state (or the first) is computed, not cached
         cap = self.seq_len - 1
         if self.wants_input_logprobs and not self.input_logprobs_done:
             cap = min(cap, max(self.logprob_start_len, 1) - 1)
@@ -128,13 +131,15 @@ class Req:
             return range(start, end)
         if self.pooling == "last" and end == len(self.input_ids):
             return range(end - 1, end)
+        if self.pooling == "cls" and start == 0 < end:
+            return range(0, 1)
         return range(0)
 
     def pool_hidden(self, rows: np.ndarray) -> None:
         """Take this step's rows of `hidden_positions` (n, hidden_size), fp32."""
         if not len(rows):
             return
-        if self.pooling == "last":
+        if self.pooling in ("last", "cls"):
             self.hidden_sum = rows[-1].astype(np.float64)
             return
         total = rows.astype(np.float64).sum(0)

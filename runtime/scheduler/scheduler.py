@@ -21,6 +21,7 @@ import numpy as np
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import RadixCache
 from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
 from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
 from radixflow.runtime.scheduler.batch import build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
@@ -58,8 +59,10 @@ class Scheduler:
         grammars: Any = None,
         encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
+        encoder: bool = False,  # an encoder model: embed requests only, each input whole
     ) -> None:
         self.config = config
+        self.encoder = encoder
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
@@ -100,6 +103,7 @@ class Scheduler:
         """Queue a request; an impossible one finishes at once with an error."""
         req.arrival_step = self.step_count
         self.metrics.arrived(req)
+        req.whole_input = self.encoder
         problem = self._check_fits(req)
         if problem:
             self._fail(req, problem)
@@ -289,7 +293,7 @@ class Scheduler:
                 np.asarray(req.fill_ids[: req.max_prefix_len], I64)
             )
             ids = np.asarray(req.fill_ids, dtype=I64)
-            reuses = not self.tree.disabled and req.pooling != "mean"  # mean reuses nothing
+            reuses = not (self.tree.disabled or req.whole_input or req.pooling in ("mean", "cls"))
             if reuses and shares_uncached(ids, len(prefix), in_step):
                 continue  # a request admitted this step computes that prefix; reuse it next step
             self.tree.lock(node)
@@ -300,7 +304,9 @@ class Scheduler:
             alone = not self.running and not extends
             chunk = extend_len
             if extend_len > budget:
-                if self.config.chunked_prefill_size > 0 and self.chunked is None:
+                if req.whole_input:  # an encoder's input runs whole, alone when over budget
+                    chunk = 0 if extends else extend_len
+                elif self.config.chunked_prefill_size > 0 and self.chunked is None:
                     chunk = budget
                 elif extends:  # chunking off: only the step's first prefill may exceed
                     chunk = 0
@@ -352,7 +358,8 @@ class Scheduler:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
         for req in extends + jumps:
             req.kv_len = req.extend_target
-            self.kv.cache_computed(req)
+            if not req.whole_input:  # an encoder's slots hold no KV to share
+                self.kv.cache_computed(req)
         self.counters["decode_tokens"] += len(decodes)
         for req in decodes:
             req.kv_len += 1
@@ -425,7 +432,8 @@ class Scheduler:
         req.finish_reason = reason
         if reason["type"] in ("abort", "error") and req.error is None:
             req.error = reason.get("message", reason["type"])
-        self.kv.release(req, keep_in_tree=reason["type"] not in ("abort", "error"))
+        kept = reason["type"] not in ("abort", "error") and not req.whole_input
+        self.kv.release(req, keep_in_tree=kept)
         self.metrics.finished(req, self.clock())
         self.spec.observe_finished(req)
         req.state = ReqState.FINISHED
@@ -459,6 +467,8 @@ class Scheduler:
     def _check_fits(self, req: Req) -> str | None:
         """Why `req` can never run, or None. It never holds more than the context's slots.
         (Prompt lengths and ids were checked where the request entered: RequestLimits.)"""
+        if self.encoder and (not req.pooling or req.sampling.max_new_tokens):
+            return f"an encoder model: {EMBEDDING_ONLY}"
         need = min(len(req.input_ids) + req.sampling.max_new_tokens, self.context_len)
         if need > self.pool.capacity_pages * self.pool.page_size:
             return (

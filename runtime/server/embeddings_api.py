@@ -6,8 +6,10 @@ A decoder model embeds from its own hidden states: every input becomes one `embe
 prefill-only request (runtime/protocol/messages.py), batched in the scheduler with whatever
 else runs; its vector is the final hidden state after the model's final norm at the last
 token, L2-normalized. Inputs are tokenized as /generate tokenizes text (no special tokens
-added). A decoder model was not trained for truncated (Matryoshka) vectors, so `dimensions`
-is refused. Errors on the two Ollama paths come in Ollama's shape `{"error": "..."}`.
+added). An encoder (BERT, XLM-RoBERTa; served with --is-embedding) gets its special tokens
+([CLS] ... [SEP]) and pools as its sentence-transformers config says (models/bert.py).
+Neither kind is known to be trained for truncated (Matryoshka) vectors, so `dimensions` is
+refused. Errors on the two Ollama paths come in Ollama's shape `{"error": "..."}`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ TOKENIZE_FIELDS = {
     "chat_template_kwargs",
 }  # fmt: skip
 NO_DIMENSIONS = (
-    "dimensions is not supported: this model is a decoder, not trained for truncated "
+    "dimensions is not supported: the served model is not known to be trained for truncated "
     "(Matryoshka) embeddings, so a cut vector would not be a meaningful embedding"
 )
 OLLAMA_PREFIX = "/api/embed"  # covers /api/embed and /api/embeddings
@@ -86,6 +88,11 @@ class EmbeddingsRoutes:
             raise HttpError(400, f"text of {len(text)} chars is too long", where)
         return list(self.server.tokenizer.encode(text, add_special_tokens=special))
 
+    def embed_ids(self, text: str) -> list[int]:
+        """An input's ids: an encoder's with its special tokens ([CLS] ... [SEP]), as
+        sentence-transformers tokenizes; a decoder's without, as /generate tokenizes."""
+        return self.encode(text, special=bool(self.server.model_info.get("is_encoder")))
+
     # ---- OpenAI ------------------------------------------------------------------------
 
     async def openai_embeddings(self, request: web.Request) -> web.Response:
@@ -120,10 +127,10 @@ class EmbeddingsRoutes:
         """OpenAI's `input`: a string, a list of strings, a list of token ids or a list of
         such lists, as token id lists."""
         if isinstance(value, str):
-            return [self.encode(value)]
+            return [self.embed_ids(value)]
         if isinstance(value, list) and value:
             if all(isinstance(v, str) for v in value):
-                return [self.encode(v) for v in value]
+                return [self.embed_ids(v) for v in value]
             if is_int_list(value):
                 return [value]
             if all(is_int_list(v) for v in value):
@@ -161,7 +168,7 @@ class EmbeddingsRoutes:
         limit = self.context_length() - 1  # a prompt must leave the context one slot
         if truncate:
             text = text[: MAX_CHARS_PER_TOKEN * self.context_length()]
-        ids = self.encode(text)
+        ids = self.embed_ids(text)
         if len(ids) > limit and not truncate:
             raise HttpError(
                 400, f"the input has {len(ids)} tokens; the context length is {limit + 1}"

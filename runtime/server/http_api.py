@@ -58,6 +58,7 @@ from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
 from radixflow.runtime.server.responses_api import ResponsesRoutes
+from radixflow.runtime.server.validation import GENERATION_ROUTES
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -195,6 +196,7 @@ class HttpDoor:
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         try:
+            self.check_generation(request)
             return await handler(request)
         except HttpError as e:
             self.server.counters[f"http_error_{e.status}"] += 1
@@ -206,6 +208,13 @@ class HttpDoor:
             if e.status < 400:
                 raise
             return self.error_answer(request, HttpError(e.status, e.text or e.reason))
+
+    def check_generation(self, request: web.Request) -> None:
+        """--is-embedding: generation routes answer 400 before any templating."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else ""
+        if self.server.config.is_embedding and route in GENERATION_ROUTES:
+            raise HttpError(400, m.EMBEDDING_ONLY)
 
     def error_answer(self, request: web.Request, error: HttpError) -> web.Response:
         """OpenAI's error shape, or that of the door whose path prefix `request` has."""
@@ -442,8 +451,11 @@ class HttpDoor:
         if not reports.health_data(self.server)["ok"]:
             return json_response(reports.health_data(self.server), 503)
         msg = Generate(new_rid(), input_ids=[0], sampling_params={"max_new_tokens": 1})
+        work = self.finals(self.submit([msg]))
+        if self.server.config.is_embedding:  # an embedding server embeds one token instead
+            work = self.ask(m.Embed(new_rid(), input_ids=[[0]]))
         try:
-            await asyncio.wait_for(self.finals(self.submit([msg])), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(work, HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, HttpError) as e:
             raise HttpError(503, f"health generation failed: {e or 'timed out'}") from e
         return json_response(reports.health_data(self.server))

@@ -338,6 +338,7 @@ class Server:
 
     def _on_score(self, identity: Any, msg: Score) -> None:
         self._check_new(msg.rid)
+        self.rules.check_generation()
         if not msg.continuations:
             raise RequestError(ERROR_INVALID_REQUEST, "continuations is empty")
         prefix = self.rules.encode(msg.prefix)
@@ -353,6 +354,7 @@ class Server:
 
     def _on_cache_prefix(self, identity: Any, msg: CachePrefix) -> None:
         self._check_new(msg.rid)
+        self.rules.check_generation()
         ids = self.rules.prompt_ids(msg.text, None)
         self._dispatch(Job(identity, msg.rid), [prefill_spec(ids, -1)])
 
@@ -361,7 +363,8 @@ class Server:
         self._check_new(msg.rid)
         id_lists = self.rules.embed_inputs(msg)
         self.counters["request_embed"] += len(id_lists)
-        self._dispatch(EmbedJob(identity, msg.rid), [embed_spec(i, msg.pooling) for i in id_lists])
+        pooling = msg.pooling or self.model_info["pooling"]
+        self._dispatch(EmbedJob(identity, msg.rid), [embed_spec(i, pooling) for i in id_lists])
 
     def _on_abort(self, identity: Any, msg: Abort) -> None:
         found = msg.target_rid in self.jobs

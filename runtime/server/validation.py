@@ -9,14 +9,25 @@ from typing import Any
 
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.limits import RequestLimits
-from radixflow.runtime.protocol.messages import ERROR_INVALID_REQUEST, POOLINGS, Embed, Generate
+from radixflow.runtime.protocol.messages import (
+    EMBEDDING_ONLY,
+    ERROR_INVALID_REQUEST,
+    POOLINGS,
+    Embed,
+    Generate,
+)
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_TOP_LOGPROBS = 64
 MAX_RID_LEN = 256
 MAX_EMBED_INPUTS = 2048  # inputs of one embed request (OpenAI's own limit)
-MAX_JOBS_IN_FLIGHT = 4096  # more waiting requests than this: refuse new ones (overloaded)
+MAX_JOBS_IN_FLIGHT = 4096
+# what --is-embedding refuses over HTTP: every route that generates, scores or caches
+GENERATION_ROUTES = (
+    "/generate", "/concate_and_append_request", "/radixflow/score", "/v1/completions",
+    "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/generate", "/api/chat",
+)  # fmt: skip  # more waiting requests than this: refuse new ones (overloaded)
 
 
 class RequestError(ValueError):
@@ -39,6 +50,20 @@ class RequestRules:
         if len(text) > MAX_CHARS_PER_TOKEN * self.model_info["context_length"]:
             raise RequestError(ERROR_INVALID_REQUEST, f"text of {len(text)} chars is too long")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def embed_encode(self, text: str) -> list[int]:
+        """An embed input's ids: with the special tokens for an encoder ([CLS] ... [SEP], as
+        sentence-transformers tokenizes), without them for a decoder (as `encode`)."""
+        if not self.model_info.get("is_encoder"):
+            return self.encode(text)
+        if len(text) > MAX_CHARS_PER_TOKEN * self.model_info["context_length"]:
+            raise RequestError(ERROR_INVALID_REQUEST, f"text of {len(text)} chars is too long")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def check_generation(self) -> None:
+        """Refuse a generation (generate, score, cache_prefix) on an --is-embedding server."""
+        if self.config.is_embedding:
+            raise RequestError(ERROR_INVALID_REQUEST, EMBEDDING_ONLY)
 
     def prompt_ids(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if (text is None) == (input_ids is None):
@@ -70,6 +95,7 @@ class RequestRules:
     def generate(self, msg: Generate) -> tuple[list[int], SamplingParams, dict[str, Any]]:
         """(prompt ids, sampling with the model's defaults for what it leaves unset, those
         defaults) of a generate request, every field checked."""
+        self.check_generation()
         ids = self.prompt_ids(msg.text, msg.input_ids)
         params, defaults = with_defaults(msg.sampling_params, self.model_info)
         sampling = self.sampling(params)
@@ -91,7 +117,7 @@ class RequestRules:
     def embed_inputs(self, msg: Embed) -> list[list[int]]:
         """The ids of an embed request's inputs, each checked against the context exactly as
         a generate prompt is."""
-        if msg.pooling not in POOLINGS:
+        if msg.pooling and msg.pooling not in POOLINGS:
             raise RequestError(ERROR_INVALID_REQUEST, f"pooling must be one of {POOLINGS}")
         if (msg.text is None) == (msg.input_ids is None):
             raise RequestError(ERROR_INVALID_REQUEST, "give exactly one of text and input_ids")
@@ -99,7 +125,7 @@ class RequestRules:
         if not inputs or len(inputs) > MAX_EMBED_INPUTS:
             message = f"give 1 to {MAX_EMBED_INPUTS} inputs, got {len(inputs)}"
             raise RequestError(ERROR_INVALID_REQUEST, message)
-        id_lists = [self.encode(t) for t in msg.text] if msg.text is not None else inputs
+        id_lists = [self.embed_encode(t) for t in msg.text] if msg.text is not None else inputs
         for ids in id_lists:
             self.check_limits(ids, None)
         return id_lists

@@ -136,4 +136,4 @@ def test_too_long_and_bad_pooling_are_refused(make_engine):
         engine.encode(input_ids=[1] * context)
     assert str(embed_error.value) == str(generate_error.value)
     with pytest.raises(ValueError, match="pooling"):
-        engine.encode("x", pooling="cls")
+        engine.encode("x", pooling="max")
