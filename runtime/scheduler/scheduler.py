@@ -3,10 +3,8 @@
 One `step()` = poll grammars, make room for the running decodes (evict, else preempt),
 continue the chunked request, admit waiting requests in policy order within the KV and token
 budgets, run one forward pass for the whole ragged batch, then postprocess (append tokens,
-check stops, jump forward over grammar-forced text, insert computed KV into the radix tree,
-release finished requests). A running request with jumped tokens extends them this step
-(runtime/scheduler/jump_forward.py).
-"""
+check stops, jump forward over grammar-forced text: runtime/scheduler/jump_forward.py, insert
+computed KV into the radix tree, release finished requests)."""
 
 from __future__ import annotations
 
@@ -483,9 +481,7 @@ class Scheduler:
         c = self.counters
         return {
             **c,
-            "cache_hit_rate": c["cached_tokens"] / c["prompt_tokens"]
-            if c["prompt_tokens"]
-            else 0.0,
+            "cache_hit_rate": c["cached_tokens"] / max(c["prompt_tokens"], 1),
             "tokens_in_tree": self.tree.total_size,
             "evictable_tokens": self.tree.evictable_size,
             "protected_tokens": self.tree.protected_size,

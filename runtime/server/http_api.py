@@ -44,6 +44,7 @@ from radixflow.runtime.server.http_request import (
     STATUS_OF_CODE,
     HttpError,
     check_fields,
+    check_generation,
     dumps,
     error_body,
     error_response,
@@ -58,7 +59,6 @@ from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
 from radixflow.runtime.server.responses_api import ResponsesRoutes
-from radixflow.runtime.server.validation import GENERATION_ROUTES
 
 SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -196,7 +196,7 @@ class HttpDoor:
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         try:
-            self.check_generation(request)
+            check_generation(self.server.config, request)
             return await handler(request)
         except HttpError as e:
             self.server.counters[f"http_error_{e.status}"] += 1
@@ -208,13 +208,6 @@ class HttpDoor:
             if e.status < 400:
                 raise
             return self.error_answer(request, HttpError(e.status, e.text or e.reason))
-
-    def check_generation(self, request: web.Request) -> None:
-        """--is-embedding: generation routes answer 400 before any templating."""
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else ""
-        if self.server.config.is_embedding and route in GENERATION_ROUTES:
-            raise HttpError(400, m.EMBEDDING_ONLY)
 
     def error_answer(self, request: web.Request, error: HttpError) -> web.Response:
         """OpenAI's error shape, or that of the door whose path prefix `request` has."""

@@ -23,6 +23,7 @@ from radixflow.runtime.protocol import messages as m
 from radixflow.runtime.protocol.messages import Generate
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.server.fields import FieldError, translate
+from radixflow.runtime.server.validation import GENERATION_ROUTES
 
 log = logging.getLogger("radixflow.server")
 
@@ -337,3 +338,11 @@ def response_format(value: Any, nested: bool = True) -> dict[str, Any]:
             400, "response_format.json_schema.schema must be an object", "response_format"
         )
     return {"json_schema": json.dumps(schema)}
+
+
+def check_generation(config: Any, request: web.Request) -> None:
+    """--is-embedding: generation routes answer 400 before any templating."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else ""
+    if config.is_embedding and route in GENERATION_ROUTES:
+        raise HttpError(400, m.EMBEDDING_ONLY)
