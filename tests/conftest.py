@@ -258,6 +258,14 @@ def start_server(**options: Any) -> Iterator[Server]:
         server.shutdown()
 
 
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[Server]:
+    """One plain server (SmolLM2, a 16,384-token pool, no key) shared by the modules that only
+    send it requests and need no config of their own: each start costs the suite about 9 s."""
+    with start_server(max_total_tokens=16384) as server:
+        yield server
+
+
 @pytest.fixture(scope="module")
 def runtime(request: pytest.FixtureRequest) -> Iterator[Server]:
     """The module's server, configured by the module's `SERVER = {...}` (start_server's

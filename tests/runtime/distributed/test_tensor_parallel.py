@@ -214,6 +214,7 @@ def _workers(scheduler_pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(scheduler_pid).children() if "tp-worker" in p.cmdline()]
 
 
+@pytest.mark.slow  # 25 s of starting and killing ranks
 def test_killed_rank_fails_requests_then_the_server_recovers(tiny_llama) -> None:
     with start_server(model_path=str(tiny_llama), tp_size=2, log_level="warning", **TINY) as rt:
         before = rt.endpoint.generate("Hello", GREEDY)

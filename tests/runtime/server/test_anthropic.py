@@ -12,7 +12,6 @@ import json
 import random
 import re
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +25,6 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_tool_calls import random_schema
 
-from conftest import start_server
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import ERROR_SHUTDOWN, Generate
 from radixflow.runtime.server.anthropic_api import AnthropicRoutes
@@ -55,9 +53,8 @@ BLOCKS = re.compile(r"(content_block_start (content_block_delta )*content_block_
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
-    with start_server(max_total_tokens=8192) as running:
-        yield running
+def server(shared_server: Any) -> Any:
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import pytest
 
 from conftest import Server
 
-SERVER = dict(max_total_tokens=8192, num_threads=1, log_level="warning")
 ASK = [{"role": "user", "content": "Describe a person."}]
 SCHEMA = {
     "type": "object",
@@ -29,6 +28,11 @@ SCHEMA = {
 }
 GBNF = 'root ::= "id-" [0-9] [0-9] [0-9]'
 GREEDY = {"temperature": 0, "max_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def runtime(shared_server: Server) -> Server:
+    return shared_server
 
 
 @pytest.fixture(scope="module")

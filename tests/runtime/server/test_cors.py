@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
-from test_auth_routes import API_KEY, stub_server, url  # noqa: F401  (url: the keyed server)
+from test_auth_routes import API_KEY, stub_server
 
 from radixflow.runtime.server.cors import Cors
 from radixflow.runtime.server.http_api import HttpDoor
@@ -145,7 +146,7 @@ def fetch_script(api: str) -> str:
 async def evaluate_in_page(chromium: str, page: str, script: str) -> str:
     """Open `page` in headless Chromium and run `script` there (the DevTools protocol over
     its websocket); returns the script's string value. foreign.test resolves to 127.0.0.1."""
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen(
             [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
              f"--user-data-dir={profile}", "--remote-debugging-port=0",
@@ -193,13 +194,14 @@ async def evaluate_in_page(chromium: str, page: str, script: str) -> str:
 
 
 def test_a_browser_page_calls_the_api_from_a_loopback_origin_only(
-    url: str,  # noqa: F811
-    page_port: int,
+    shared_server: Any, page_port: int
 ) -> None:
+    """The page sends an Authorization header, so the browser preflights every call (the
+    shared server checks no key: the key with CORS is tested in process above)."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed here (scripts/setup.sh installs it)")
-    script = fetch_script(url)
+    script = fetch_script(shared_server.url)
     allowed = asyncio.run(evaluate_in_page(chromium, f"http://localhost:{page_port}/", script))
     reply = json.loads(allowed)
     assert reply["object"] == "chat.completion", reply

@@ -481,6 +481,7 @@ def test_frontend_runtime_endpoint_over_http(runtime: Server) -> None:
 # ---- SIGTERM (last: it stops the module's server) ----------------------------------------
 
 
+@pytest.mark.slow  # 30 s; the default suite drains HTTP streams in test_drain.py
 def test_sigterm_gives_every_http_client_a_final_answer(
     runtime: Server, http: httpx.Client
 ) -> None:

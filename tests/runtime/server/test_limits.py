@@ -196,6 +196,7 @@ def test_client_call_past_the_size_limit_fails_at_once(endpoint: RuntimeEndpoint
     assert time.monotonic() - start < 5, message
 
 
+@pytest.mark.slow  # 25 s: it waits out a grammar built to be slow
 def test_slow_grammar_does_not_stall_other_constrained_requests(
     endpoint: RuntimeEndpoint, engine: Any
 ) -> None:

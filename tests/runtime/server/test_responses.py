@@ -12,7 +12,6 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -47,9 +46,8 @@ ITEMS = pydantic.TypeAdapter(ResponseItem)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
-    with start_server(max_total_tokens=16384) as server:
-        yield server
+def server(shared_server: Any) -> Any:
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from family_models import save_family
 from gguf_models import build_model, write_gguf
 
 from conftest import start_server
+from radixflow.runtime.engine import Engine
 from radixflow.runtime.models.loader import GGUF_POINTER, model_sampling_defaults
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
@@ -66,12 +67,20 @@ def test_the_defaults_are_shown(served: str) -> None:
 
 
 def test_the_openai_flag_turns_them_off(checkpoint: Path) -> None:
-    with start_server(
-        model_path=str(checkpoint), max_total_tokens=1024, sampling_defaults="openai"
-    ) as server:
-        unset = generate(server.url)
-        assert "sampling_defaults" not in unset["meta_info"]
-        assert unset["output_ids"] == generate(server.url, **OPENAI)["output_ids"]
+    """The offline Engine applies the same defaults; --sampling-defaults openai drops them
+    (in process: a second server would cost the suite its start)."""
+    params = {"max_new_tokens": 24, "seed": 7}
+    ids = PROMPT["input_ids"]
+    with Engine(model=str(checkpoint), max_total_tokens=1024) as engine:
+        assert engine.model_info["sampling_defaults"] == RECOMMENDED
+        unset = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        spelled = {**params, **RECOMMENDED}
+        assert unset == engine.generate(input_ids=ids, sampling_params=spelled)["output_ids"]
+    with Engine(model=str(checkpoint), max_total_tokens=1024, sampling_defaults="openai") as engine:
+        assert engine.model_info["sampling_defaults"] == {}
+        unset = engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        spelled = {**params, **OPENAI}
+        assert unset == engine.generate(input_ids=ids, sampling_params=spelled)["output_ids"]
 
 
 def test_a_ggufs_sampling_keys(tmp_path: Path) -> None:

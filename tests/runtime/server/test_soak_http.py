@@ -18,8 +18,8 @@ the same prompt. At the end no KV slot is leaked on either replica, and replica 
 killed) has a resident memory (server and scheduler, VmRSS) within 5% of its size after the
 warm-up. One line prints the figures.
 
-The default suite runs a short soak (SOAK_HTTP_SHORT requests); `-m slow` runs SOAK_HTTP_REQUESTS
-(2,000) and asks for at least 300 preemptions.
+Both are `-m slow`: a short soak (SOAK_HTTP_SHORT requests), and SOAK_HTTP_REQUESTS (2,000)
+asking for at least 300 preemptions.
 """
 
 from __future__ import annotations
@@ -460,6 +460,7 @@ def soak(cluster: Cluster, engine: Any, count: int) -> dict[str, Any]:
 
 
 @needs_router
+@pytest.mark.slow  # a minute of the default suite's budget; the router's paths run in test_router
 def test_soak_through_the_router_with_a_killed_replica(cluster: Cluster, engine: Any) -> None:
     figures = soak(cluster, engine, SOAK_HTTP_SHORT)
     assert figures["preemptions"] > 0

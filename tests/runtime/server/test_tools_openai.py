@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,8 +15,6 @@ import openai
 import pytest
 from test_tool_calls import random_schema
 from transformers import AutoTokenizer
-
-from conftest import start_server
 
 WEATHER = {
     "type": "object",
@@ -44,9 +41,8 @@ PARAMS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in T
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    with start_server(max_total_tokens=16384) as server:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=600)
+def client(shared_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{shared_server.url}/v1", api_key="none", timeout=600)
 
 
 def valid_calls(message, params: dict) -> list[tuple[str, dict]]:
