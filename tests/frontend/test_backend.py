@@ -154,7 +154,8 @@ class FakeSglang(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         for i in range(len(TOKENS)):  # SGLang's stream: each event's own logprob entries
-            meta = {"finish_reason": None, "output_token_logprobs": ENTRIES[i : i + 1]}
+            meta = {"finish_reason": None, "output_token_logprobs": ENTRIES[i : i + 1],
+                    "output_token_logprobs_length": i + 1}  # fmt: skip
             chunk = {"text": "abc"[: i + 1], "output_ids": [5, 6, 7][: i + 1], "meta_info": meta}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         final = {**RESULT, "meta_info": {**RESULT["meta_info"], "output_token_logprobs": []}}

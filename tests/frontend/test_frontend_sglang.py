@@ -231,6 +231,18 @@ def test_chat_model_answers_as_the_runtime_endpoint(runtime: Any, chat: sgl.Open
     assert over_api.messages() == direct.messages()[1:]
 
 
+def test_anthropic_backend_on_our_messages_door_answers_as_the_endpoint(runtime: Any) -> None:
+    """sgl.Anthropic against the server's own /v1/messages: the same greedy turns."""
+    backend = sgl.Anthropic("smollm2", base_url=runtime.url, api_key="x", max_retries=0)
+    question = "What is the capital of France?"
+    direct = two_turns.run(question=question, temperature=0, backend=runtime.endpoint)
+    before = calls_to(runtime, "/v1/messages")
+    over_api = two_turns.run(question=question, temperature=0, backend=backend)
+    assert over_api.error() is None, over_api.error()
+    assert (over_api["answer"], over_api["again"]) == (direct["answer"], direct["again"])
+    assert calls_to(runtime, "/v1/messages") == before + 2  # one call per assistant turn
+
+
 FEW_SHOT = (
     "Country: France\nCapital: Paris\nLanguage: French\n\n"
     "Country: Japan\nCapital: Tokyo\nLanguage: Japanese\n\n"
