@@ -41,6 +41,10 @@ class SamplingParams:
     stop_regex: tuple[str, ...] = ()  # generation stops when the generated text matches one
     # OpenAI's map: token id (a decimal string) -> bias added to its logit; -100 bans the token
     logit_bias: dict[str, float] | None = None
+    # a think block's budget: past this many output tokens with `thinking_end` not written,
+    # the scheduler writes it (reasoning_effort, Anthropic's budget_tokens); None: no budget
+    max_thinking_tokens: int | None = None
+    thinking_end: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +83,11 @@ class SamplingParams:
             ("choices", self.choices is None or (len(self.choices) > 0 and all(self.choices))),
             ("seed", self.seed is None or 0 <= self.seed < 2**63),
             ("logit_bias", self.logit_bias is None or _valid_bias(self.logit_bias)),
+            (
+                "max_thinking_tokens",
+                self.max_thinking_tokens is None
+                or (self.max_thinking_tokens >= 0 and bool(self.thinking_end)),
+            ),
         ]
         for name, ok in checks:
             if not ok:

@@ -21,6 +21,8 @@ import numpy as np
 from radixflow.runtime.cache.radix_cache import Node
 from radixflow.runtime.protocol.sampling import SamplingParams
 
+THINKING_END_WINDOW = 16  # output tokens searched for the think block's end, each step
+
 
 class ReqState(Enum):
     GRAMMAR = "grammar"  # waiting for its grammar to compile
@@ -70,6 +72,7 @@ class Req:
     jump_forward_tokens: int = 0  # output tokens a grammar forced (appended, never sampled)
     # why a jump ended the request, kept until the jumped tokens' logprobs are computed
     jump_finish: dict[str, Any] | None = None
+    thinking_closed: bool = False  # the think block's end is written (or no budget applies)
 
     # results
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -161,6 +164,21 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+
+    def thinking_end_due(
+        self, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]] | None
+    ) -> list[int]:
+        """The tokens of the think block's end when it must be written now (its budget spent,
+        the end not among the last tokens); else []. Each is then forced like a jumped one."""
+        budget, end = self.sampling.max_thinking_tokens, self.sampling.thinking_end
+        if budget is None or encode is None or self.thinking_closed or self.finished:
+            return []
+        if end in decode(self.output_ids[-THINKING_END_WINDOW:]):
+            self.thinking_closed = True
+        if self.thinking_closed or len(self.output_ids) < budget:
+            return []
+        self.thinking_closed = True
+        return encode(f"\n{end}\n\n")
 
     def append_token(
         self,

@@ -29,7 +29,7 @@ from radixflow.runtime.scheduler.request import Req, ReqState
 from radixflow.runtime.scheduler.request_kv import RequestKV
 from radixflow.runtime.scheduler.speculative import Speculator
 from radixflow.runtime.scheduler.stats import SchedulerStats
-from radixflow.runtime.scheduler.step_outputs import pool_hidden, store_logprobs
+from radixflow.runtime.scheduler.step_outputs import pool_hidden, store_logprobs, top_of
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
@@ -77,6 +77,7 @@ class Scheduler:
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
         self.kv = RequestKV(self.pool, self.tree, self.metrics)
         self.spec = Speculator(config, eos_token_ids, encode)
+        self.encode = encode
         self.jump = JumpForward(not config.disable_jump_forward)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -386,17 +387,13 @@ class Scheduler:
             self._append_token(req, result.next_token_ids[i], result.next_logprobs[i], now)
             if result.top_logprobs is not None and req.top_logprobs_num:
                 row = plan.sample_rows[i]
-                req.output_top_logprobs.append(
-                    list(
-                        zip(
-                            result.top_logprobs[row][: req.top_logprobs_num].tolist(),
-                            result.top_ids[row][: req.top_logprobs_num].tolist(),
-                        )
-                    )
-                )
+                req.output_top_logprobs.append(top_of(result, row, req.top_logprobs_num))
             updated.append(req)
         updated += self.spec.accept(plan, result, len(sample_reqs), self._append_token, self.pool)
         for req in sample_reqs + self.spec.verifying:  # before anything streams
+            for token in req.thinking_end_due(self.decode, self.encode):  # budget spent
+                if self._append_forced(req, token, now):
+                    break
             self.jump.jump(req, self._append_forced, now)
         for req in list(self.running):
             if req.finished:

@@ -69,6 +69,7 @@ def chat_body(body: dict[str, Any], most_tokens: int) -> dict[str, Any]:
         "parallel_tool_calls": parallel,
         "stop": stop_sequences(body),
         "chat_template_kwargs": thinking_kwargs(body.get("thinking"), max_tokens),
+        "thinking_budget": (body.get("thinking") or {}).get("budget_tokens"),  # enforced
         "response_format": output_format(body.get("output_config")),
     }
     if tools:
@@ -284,8 +285,9 @@ def stop_sequences(body: dict[str, Any]) -> list[str] | None:
 def thinking_kwargs(value: Any, max_tokens: int) -> dict[str, bool] | None:
     """Anthropic's thinking as the template's enable_thinking; without it the template's
     default stands (a model that always thinks still thinks) and no thinking block is
-    shown. budget_tokens is checked as Anthropic checks it; max_tokens bounds the reply,
-    thinking included."""
+    shown. budget_tokens is checked as Anthropic checks it and bounds the think block (the
+    scheduler writes its end when it is spent); max_tokens bounds the reply, thinking
+    included."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in THINKING:

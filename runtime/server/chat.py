@@ -55,6 +55,7 @@ class ChatPlan:
     thinking: bool
     after: str = ""  # constraints apply once the reply has written this ("</think>")
     soft: bool = False  # the constraint (auto's trigger) gives way to the request's own
+    budget: int | None = None  # most tokens of thinking before the scheduler ends the block
 
     def sampling(self, params: dict[str, Any]) -> dict[str, Any]:
         """The request's sampling params with this plan's constraint; ToolError when both
@@ -63,6 +64,8 @@ class ChatPlan:
         if self.constraint and own and not self.soft:
             raise ToolError("tool_choice required (or named) takes no other constraint")
         params = params if own else {**params, **self.constraint}
+        if self.budget is not None and self.after:  # thinking on, its end known
+            params = {**params, "max_thinking_tokens": self.budget, "thinking_end": self.after}
         return after_reasoning(params, self.after)
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
@@ -152,16 +155,33 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     after = CLOSE if reasoning is not None and thinking else ""
     reader = reasoning if separate else None
     soft = trigger is not None and choice.mode == "auto" and not generic
-    return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft)
+    budget = thinking_budget(body)
+    return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft, budget)
 
 
-EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
+           "xhigh": True}  # fmt: skip
+
+
+# reasoning_effort -> most thinking tokens (high, and no effort: the model ends its block)
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096}
+
+
+def thinking_budget(body: dict[str, Any]) -> int | None:
+    """The think block's token budget: radixflow's `thinking_budget` (Anthropic's
+    budget_tokens arrives as it), else reasoning_effort's; None for no budget."""
+    budget = body.get("thinking_budget")
+    if budget is None:
+        return EFFORT_BUDGETS.get(body.get("reasoning_effort"))
+    if type(budget) is not int or budget < 1:
+        raise ToolError("thinking_budget must be a positive integer")
+    return budget
 
 
 def with_effort(kwargs: dict[str, Any], effort: Any) -> dict[str, Any]:
     """OpenAI's reasoning_effort as the template's enable_thinking: none and minimal turn
-    thinking off, low/medium/high on (no budget: the think block ends when the model ends
-    it, or at max_tokens). An explicit chat_template_kwargs.enable_thinking wins."""
+    thinking off, low/medium/high on (low and medium with a budget: EFFORT_BUDGETS). An
+    explicit chat_template_kwargs.enable_thinking wins."""
     if effort is None:
         return kwargs
     if effort not in EFFORTS:

@@ -1,7 +1,5 @@
-"""Ollama's API: `POST /api/chat`, `POST /api/generate`, `GET /api/tags`, `POST /api/show`,
-`GET /api/ps`, `GET /api/version` and the `GET /` probe, with Ollama's request fields, NDJSON
-streams (the default, as Ollama's) and `{"error": "..."}` errors, so Ollama's clients work
-unchanged.
+"""Ollama's API (`POST /api/chat`, `/api/generate`, `/api/show`, `GET /api/tags`, `/api/ps`,
+`/api/version`, the `GET /` probe) with its fields, NDJSON streams and `{"error"}` errors.
 
 A thin translation (DESIGN §11): a chat request becomes an OpenAI chat body that the shared
 chat core runs (OpenAiRoutes.chat_job + ChatRunner: template, tools, grammars, reasoning);
@@ -268,6 +266,8 @@ class OllamaRoutes:
         think = self.thinking(body)
         if think is not None:
             fields["chat_template_kwargs"] = {"enable_thinking": think}
+        if isinstance(body.get("think"), str):  # a level: its thinking budget (chat.py)
+            fields["reasoning_effort"] = body["think"]
         return fields
 
     def thinking(self, body: dict[str, Any]) -> bool | None:
@@ -276,10 +276,9 @@ class OllamaRoutes:
             return None
         if not isinstance(think, bool) and think not in ("low", "medium", "high"):
             raise HttpError(400, 'think must be true, false, "low", "medium" or "high"', "think")
-        on = think is not False  # a level turns thinking on; the level itself is not passed on
+        on = think is not False  # a level turns thinking on (and sets its budget)
         if on and not self.server.config.reasoning_parser:
-            name = body.get("model")
-            raise HttpError(400, f"model '{name}' does not support thinking", "think")
+            raise HttpError(400, f"model '{body.get('model')}' does not support thinking", "think")
         return on
 
     def fit(self, job: ChatJob, options: dict[str, Any]) -> ChatJob:

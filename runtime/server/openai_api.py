@@ -70,7 +70,7 @@ COMMON = {
 CHAT = COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "separate_reasoning",
-    "continue_final_message", "reasoning_effort",
+    "continue_final_message", "reasoning_effort", "thinking_budget",
 }  # fmt: skip
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "best_of"}
 # fields OpenAI clients or SGLang's router send that are no-ops at these values (None and

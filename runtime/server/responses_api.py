@@ -226,6 +226,7 @@ class ResponsesRoutes:
             "top_p": typed(body, "top_p", float, None),
             "stream": typed(body, "stream", bool, False),
             "chat_template_kwargs": kwargs,
+            "reasoning_effort": (reasoning or {}).get("effort"),  # its thinking budget
         }
         chat = {k: v for k, v in chat.items() if v is not None}
         echo = {
