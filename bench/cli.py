@@ -8,7 +8,8 @@ Workloads are bench/workloads.py: rounds of calls with fixed token counts (greed
 ignored), each round built from the previous round's outputs, so every system does equal work.
 Systems: radixflow (the Engine through its public API, default config); radixflow-dsl (the
 same workloads as `@function` programs over a live server: frontend and wire included; every
-workload but long_mix); radixflow-nocache (radix cache off); transformers (`generate` per
+workload but long_mix); radixflow-nocache (radix cache off); radixflow-nojump (jump-forward
+decoding off: what it saves on constrained workloads); transformers (`generate` per
 round, batched with left padding, no reuse: a naive server); transformers-cb (transformers'
 continuous batching manager, block sharing on); llama.cpp and vllm through a worker in their
 own virtual environment (`BENCH_LLAMA_CPP_PYTHON`, `BENCH_VLLM_PYTHON` = that venv's python),
@@ -51,6 +52,7 @@ SYSTEMS = (
     "radixflow",
     "radixflow-dsl",
     "radixflow-nocache",
+    "radixflow-nojump",
     "transformers",
     "transformers-cb",
     "llama.cpp",
@@ -91,7 +93,7 @@ class Models:
 
     def release(self, remaining: list[str]) -> None:
 
-        needs_engine = {"radixflow", "radixflow-nocache"} & set(remaining)
+        needs_engine = {"radixflow", "radixflow-nocache", "radixflow-nojump"} & set(remaining)
         if not needs_engine and self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -107,9 +109,9 @@ def make_system(name: str, models: Models) -> Any:
         return RadixflowSystem(name, models.radixflow(), owned=False)
     if name == "radixflow-dsl":
         return DslSystem(models.model, models.threads)
-    if name == "radixflow-nocache":
-        engine = models.radixflow().with_config(disable_radix_cache=True)
-        return RadixflowSystem(name, engine, owned=True)
+    if name in ("radixflow-nocache", "radixflow-nojump"):
+        off = "disable_radix_cache" if name == "radixflow-nocache" else "disable_jump_forward"
+        return RadixflowSystem(name, models.radixflow().with_config(**{off: True}), owned=True)
     if name == "transformers":
         return baselines.TransformersSystem(*models.transformers())
     if name == "transformers-cb":
