@@ -161,7 +161,11 @@ def _coerce(name: str, default: Any, value: Any) -> Any:
         if not isinstance(value, bool):
             raise bad()
         return value
-    if isinstance(default, int) or name == "seed":
+    if isinstance(default, str):  # thinking_end
+        if not isinstance(value, str):
+            raise bad()
+        return value
+    if isinstance(default, int) or name in ("seed", "max_thinking_tokens"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad()
         return value

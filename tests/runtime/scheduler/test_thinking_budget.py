@@ -36,9 +36,19 @@ def test_the_budget_writes_the_end_and_the_reply_goes_on(engine: Any) -> None:
     assert tail["output_ids"] == free["output_ids"]  # a budget not reached changes nothing
 
 
-def test_a_budget_needs_its_end() -> None:
-    with pytest.raises(ValueError, match="max_thinking_tokens"):
-        SamplingParams.from_dict({"max_thinking_tokens": 5})
+@pytest.mark.parametrize(
+    "params, name",
+    [
+        ({"max_thinking_tokens": 5}, "max_thinking_tokens"),  # a budget needs its end
+        ({"max_thinking_tokens": "5", "thinking_end": "x"}, "max_thinking_tokens"),
+        ({"max_thinking_tokens": True, "thinking_end": "x"}, "max_thinking_tokens"),
+        ({"max_thinking_tokens": -1, "thinking_end": "x"}, "max_thinking_tokens"),
+        ({"thinking_end": [-1]}, "thinking_end"),  # the fuzzer's: it once crashed a step
+    ],
+)
+def test_budget_fields_are_checked_at_the_edge(params: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams.from_dict(params)
 
 
 def plan(body: dict[str, Any]) -> Any:
