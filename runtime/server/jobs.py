@@ -157,25 +157,39 @@ class GenerateJob(Job):
         )
 
 
-class ScoreJob(Job):
+class GatherJob(Job):
+    """A job of several prefill-only requests answered once, when the last one finishes."""
+
+    def __init__(self, identity: Any, rid: str) -> None:
+        super().__init__(identity, rid)
+        self.done: dict[str, ReqUpdate] = {}
+
+    def gather(self, update: ReqUpdate) -> tuple[list[ReqUpdate], Any]:
+        """(every request's final update, in order, or [] until the last arrives; the first
+        failure's error reply, or None)."""
+        if not update.finished:
+            return [], None
+        self.done[update.rid] = update
+        if len(self.done) < len(self.internal):
+            return [], None
+        updates = [self.done[rid] for rid in self.internal]
+        failures = [f for f in map(self.failure, updates) if f is not None]
+        return updates, failures[0] if failures else None
+
+
+class ScoreJob(GatherJob):
     """score: one prefill-only request per continuation (then one per unconditional one)."""
 
     def __init__(self, identity: Any, msg: Score, continuations: list[list[int]]) -> None:
         super().__init__(identity, msg.rid)
         self.msg, self.continuations = msg, continuations
-        self.done: dict[str, ReqUpdate] = {}
 
     def on_update(self, update: ReqUpdate) -> list[Any]:
-        if not update.finished:
+        updates, failed = self.gather(update)
+        if failed is not None:
+            return [failed]
+        if not updates:
             return []
-        self.done[update.rid] = update
-        if len(self.done) < len(self.internal):
-            return []
-        updates = [self.done[rid] for rid in self.internal]
-        for u in updates:
-            failed = self.failure(u)
-            if failed is not None:
-                return [failed]
         if any((u.finish_reason or {}).get("type") == "abort" for u in updates):
             return [Result(self.rid, {"choices": [], "aborted": True})]
         num = len(self.continuations)
@@ -193,24 +207,15 @@ class ScoreJob(Job):
         return [Result(self.rid, {"choices": choices})]
 
 
-class EmbedJob(Job):
+class EmbedJob(GatherJob):
     """embed: one prefill-only request per input; one result with every vector, in order."""
 
-    def __init__(self, identity: Any, rid: str) -> None:
-        super().__init__(identity, rid)
-        self.done: dict[str, ReqUpdate] = {}
-
     def on_update(self, update: ReqUpdate) -> list[Any]:
-        if not update.finished:
+        updates, failed = self.gather(update)
+        if failed is not None:
+            return [failed]
+        if not updates:
             return []
-        self.done[update.rid] = update
-        if len(self.done) < len(self.internal):
-            return []
-        updates = [self.done[rid] for rid in self.internal]
-        for u in updates:
-            failed = self.failure(u)
-            if failed is not None:
-                return [failed]
         if any(u.embedding is None for u in updates):  # aborted by its client
             return [Result(self.rid, {"embeddings": [], "aborted": True})]
         metas = [u.meta_info or {} for u in updates]
