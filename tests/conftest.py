@@ -262,7 +262,19 @@ def start_server(**options: Any) -> Iterator[Server]:
 def shared_server() -> Iterator[Server]:
     """One plain server (SmolLM2, a 16,384-token pool, no key) shared by the modules that only
     send it requests and need no config of their own: each start costs the suite about 9 s."""
-    with start_server(max_total_tokens=16384) as server:
+    with start_server(max_total_tokens=16384, endpoint_timeout=300.0) as server:
+        yield server
+
+
+SHARED_KEY = "shared-secret"  # keyed_server's --api-key
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[Server]:
+    """One server behind --api-key SHARED_KEY (SmolLM2, an 8,192-token pool, one compute
+    thread), shared by the door modules that need a key and no other config of their own."""
+    options = dict(max_total_tokens=8192, api_key=SHARED_KEY, num_threads=1, log_level="warning")
+    with start_server(**options) as server:
         yield server
 
 

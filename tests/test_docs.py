@@ -4,10 +4,9 @@ block made only of `curl` commands, and the README's main command's program; eve
 repository path and `python -m` module the docs name exists.
 
 Blocks that name the documented default addresses (http://localhost:30000,
-tcp://127.0.0.1:30001) run against one server for the module, started as the docs start it
-with `--port 0`; the live addresses from its ready line replace the documented ones. Blocks
-that start their own `sgl.Runtime` or `Engine` run as they are, before that server starts,
-so only one model is loaded at a time. Each block runs as a user runs it: written to a file
+tcp://127.0.0.1:30001) run against the session's shared `radixflow serve` (conftest's
+`shared_server`); its live addresses replace the documented ones. Blocks that start their own
+`sgl.Runtime` or `Engine` run as they are. Each block runs as a user runs it: written to a file
 and started with this Python, from the repository root; it fails on an exception (the
 blocks assert what they show)."""
 
@@ -21,9 +20,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,34 +80,9 @@ def run_python(code: str, tmp_path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """One `radixflow serve` for the module: {"http": host:port, "zmq": tcp://host:port}."""
-    logs = tmp_path_factory.mktemp("server")
-    out, err = (logs / "stdout").open("w"), (logs / "stderr").open("w")
-    cmd = [sys.executable, "-m", "radixflow.runtime", "serve", "--model-path", "smollm2"]
-    process = subprocess.Popen(
-        [*cmd, "--port", "0", "--log-level", "warning"],
-        stdout=out,
-        stderr=err,
-        stdin=subprocess.DEVNULL,
-        cwd=ROOT,
-    )
-    try:
-        deadline = time.monotonic() + BLOCK_TIMEOUT_S
-        while not (found := READY.search((logs / "stdout").read_text())):
-            assert process.poll() is None, f"serve exited: {(logs / 'stderr').read_text()}"
-            assert time.monotonic() < deadline, "serve printed no ready line"
-            time.sleep(0.2)
-        yield {"http": found.group(1), "zmq": found.group(2)}
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        out.close()
-        err.close()
+def server(shared_server: Any) -> dict[str, str]:
+    """The session's shared `radixflow serve`: {"http": host:port, "zmq": tcp://host:port}."""
+    return {"http": shared_server.url.split("://", 1)[1], "zmq": shared_server.address}
 
 
 def live(code: str, server: dict[str, str]) -> str:

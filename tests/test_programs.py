@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
 sys.path.insert(0, str(PROGRAMS))
 
@@ -23,8 +25,9 @@ def program(name: str) -> Any:
     return importlib.import_module(name)
 
 
-# conftest's module-scoped `runtime`; the test machine's 2 cores may be shared
-SERVER = dict(max_total_tokens=8192, endpoint_timeout=300.0)
+@pytest.fixture(scope="module")
+def runtime(shared_server: Any) -> Any:
+    return shared_server  # its endpoint waits 300 s: the test machine's 2 cores may be shared
 
 
 def test_multi_turn_chat(runtime: Any) -> None:

@@ -21,13 +21,10 @@ IP_REGEX = r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
 
 
 @pytest.fixture(scope="module")
-def runtime() -> Any:
-    runtime = sgl.Runtime(model_path="smollm2", max_total_tokens=8192)
-    runtime.endpoint.timeout = 300.0  # the test machine's 2 cores may be shared
-    sgl.set_default_backend(runtime)
-    yield runtime
+def runtime(shared_server: Any) -> Any:
+    sgl.set_default_backend(shared_server)  # its endpoint waits 300 s: 2 cores may be shared
+    yield shared_server
     sgl.set_default_backend(None)
-    runtime.shutdown()
 
 
 def test_mt_bench_roles(runtime: Any) -> None:

@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 
-from radixflow.backend import Runtime
+from conftest import SHARED_KEY, Server
 from radixflow.runtime.server import http_request
 from radixflow.runtime.server.http_request import GENERATE_FIELDS, GENERATE_NOOP, check_fields
 
-API_KEY = "front-door-secret"
+API_KEY = SHARED_KEY
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -31,25 +31,23 @@ STORY = "Once upon a time, in a small village by the sea, there lived"
 
 
 @pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    rt = Runtime(max_total_tokens=8192, api_key=API_KEY, num_threads=1, log_level="warning")
-    yield rt
-    rt.shutdown()
+def runtime(keyed_server: Server) -> Server:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
-def http(runtime: Runtime) -> Iterator[httpx.Client]:
+def http(runtime: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=runtime.url, headers=AUTH, timeout=120) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def client(runtime: Runtime) -> openai.OpenAI:
+def client(runtime: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=runtime.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def purple(runtime: Runtime) -> int:
+def purple(runtime: Server) -> int:
     """A token no prompt here makes likely: the one logit_bias favours."""
     return runtime.get_tokenizer().encode(" purple", add_special_tokens=False)[0]
 
@@ -160,7 +158,7 @@ def test_logit_bias_applies_to_sampled_decoding(http: httpx.Client, purple: int)
 
 
 def test_logit_bias_through_the_openai_client(
-    http: httpx.Client, client: openai.OpenAI, runtime: Runtime, purple: int
+    http: httpx.Client, client: openai.OpenAI, runtime: Server, purple: int
 ) -> None:
     greedy = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1, temperature=0)
     token = first_token(http, {})

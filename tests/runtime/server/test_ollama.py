@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from langchain_ollama import ChatOllama
 
-from conftest import Server
+from conftest import SHARED_KEY, Server
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.models.loader import builtin_gguf
 from radixflow.runtime.protocol.messages import Generate
@@ -30,9 +30,8 @@ from radixflow.runtime.server.chat_runner import ChatEvent, ChatJob, ChatReply
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.reasoning import ReasoningParser
 
-API_KEY = "ollama-secret"
+API_KEY = SHARED_KEY
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-SERVER = dict(max_total_tokens=8192, api_key=API_KEY, num_threads=1, log_level="warning")
 HELLO = [{"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0, "num_predict": 8}
 WEATHER = {
@@ -59,6 +58,11 @@ DURATIONS = ("total_duration", "prompt_eval_duration", "eval_duration")
 PNG = (  # a 1x1 image, base64
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
+
+
+@pytest.fixture(scope="module")
+def runtime(keyed_server: Server) -> Server:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +127,9 @@ def test_generate_raw_templated_and_context(client: ollama.Client, tokenizer: An
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     assert raw.response and raw.prompt_eval_count == len(ids) and raw.context[: len(ids)] == ids
     assert tokenizer.decode(raw.context) == prompt + raw.response
-    more = client.generate(model="smollm2", prompt=" Rome", raw=True, context=raw.context)
+    more = client.generate(
+        model="smollm2", prompt=" Rome", raw=True, context=raw.context, options=GREEDY
+    )
     assert more.prompt_eval_count == len(raw.context) + len(tokenizer.encode(" Rome"))
     question = "What is 2+2?"
     templated = client.generate(model="smollm2", prompt=question, options=GREEDY)
@@ -131,7 +137,9 @@ def test_generate_raw_templated_and_context(client: ollama.Client, tokenizer: An
     chat = client.chat(model="smollm2", messages=turn, options=GREEDY)
     assert templated.response == chat.message.content  # the prompt is one user turn
     assert templated.prompt_eval_count == len(chat_ids(tokenizer, turn))
-    again = client.generate(model="smollm2", prompt="And 3+3?", context=templated.context)
+    again = client.generate(
+        model="smollm2", prompt="And 3+3?", context=templated.context, options=GREEDY
+    )
     after = chat_ids(tokenizer, [{"role": "user", "content": "And 3+3?"}])
     assert again.prompt_eval_count == len(templated.context) + len(after)
     assert again.context[: len(templated.context)] == templated.context

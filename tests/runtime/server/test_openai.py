@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import Server
+from conftest import SHARED_KEY, Server
 
-API_KEY = "openai-secret"
+API_KEY = SHARED_KEY
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 SCHEMA = {
     "type": "object",
@@ -27,8 +27,9 @@ SCHEMA = {
 }
 
 
-# conftest's module-scoped `runtime`
-SERVER = dict(max_total_tokens=8192, api_key=API_KEY, num_threads=1, log_level="warning")
+@pytest.fixture(scope="module")
+def runtime(keyed_server: Server) -> Server:
+    return keyed_server
 
 
 @pytest.fixture(scope="module")

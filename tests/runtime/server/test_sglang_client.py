@@ -11,7 +11,6 @@ import pytest
 sgl = pytest.importorskip("sglang", reason="scripts/setup.sh installs SGLang's package")
 programs = pytest.importorskip("sglang.test.test_programs")
 
-SERVER = dict(max_total_tokens=16384)
 DEFAULT = [
     ("select", (False,)),
     ("decode_json", ()),
@@ -28,6 +27,11 @@ LONGER = [
     ("decode_json_regex", ()),
     ("parallel_decoding", ()),
 ]
+
+
+@pytest.fixture(scope="module")
+def runtime(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
