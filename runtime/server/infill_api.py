@@ -34,16 +34,16 @@ SAMPLING: dict[str, tuple[str, Any]] = {
     "frequency_penalty": ("frequency_penalty", float), "ignore_eos": ("ignore_eos", bool),
 }  # fmt: skip
 FIELDS = {"input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "max_tokens",
-          "stream", "model", *SAMPLING}  # fmt: skip
+          "stream", *SAMPLING}  # fmt: skip
 # fields that change the output, not implemented here: accepted only at their off value
 NOOP = {
     "n_indent": 0, "t_max_predict_ms": 0, "n_probs": 0, "typical_p": 1.0, "mirostat": 0,
     "dynatemp_range": 0.0, "xtc_probability": 0.0, "dry_multiplier": 0.0, "grammar": "",
     "json_schema": None, "logit_bias": None, "lora": None,
 }  # fmt: skip
-# fields that tune how llama.cpp runs, with no effect on the output (the radix cache is
-# always on, there are no slots, and the penalties cover the whole reply)
-ANY = ("cache_prompt", "id_slot", "samplers", "repeat_last_n", "return_tokens", "n_keep",
+# fields that tune how llama.cpp runs, with no effect on the output (one model is served,
+# as llama.cpp's is; the radix cache is always on; no slots; penalties cover the whole reply)
+ANY = ("model", "cache_prompt", "id_slot", "samplers", "repeat_last_n", "return_tokens", "n_keep",
        "timings_per_token", "response_fields", "min_keep", "post_sampling_probs")  # fmt: skip
 RAW = ChatPlan("", {}, None, None, False)  # a prompt taken as is: no template, tools, thinking
 
@@ -72,7 +72,6 @@ class InfillRoutes:
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         check_fields(body, FIELDS, {**NOOP, **dict.fromkeys(ANY)}, ANY, "")
-        self.openai.check_model(body.get("model"))
         texts = {k: typed(body, k, str, "") for k in ("input_prefix", "input_suffix", "prompt")}
         extra = extra_chunks(body.get("input_extra"))
         ids, stops = fim_prompt(

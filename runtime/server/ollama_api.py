@@ -197,7 +197,8 @@ class OllamaRoutes:
         stop = f"PARAMETER {parameters}\n" if parameters else ""
         modelfile = f"# the served model, described\n{source}{stop}"
         thinking = ["thinking"] if self.server.config.reasoning_parser else []
-        insert = ["insert"] if find_fim(self.server.tokenizer, info) else []  # `suffix` works
+        tokenizer = self.server.tokenizer  # `suffix` works where the model has FIM tokens
+        insert = ["insert"] if tokenizer is not None and find_fim(tokenizer, info) else []
         model_info = {
             "general.architecture": family,
             "general.parameter_count": card.get("parameter_count", 0),

@@ -181,6 +181,14 @@ def test_openai_suffix_through_the_official_client(served: SimpleNamespace) -> N
     assert usage.prompt_tokens == len(expected)  # the FIM layout, not the bare prompt
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert usage.completion_tokens >= 1
+    # the model writing <|file_sep|> has moved on to another file: the insert ends there
+    sep = served.tokenizer.convert_tokens_to_ids("<|file_sep|>")
+    ended = served.client.completions.create(
+        model="default", prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0,
+        logit_bias={str(sep): 100},
+    )  # fmt: skip
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    assert ended.choices[0].text == ""
     # the same insert without suffix is a plain completion of the prefix: another prompt
     plain = served.client.completions.create(model="default", prompt=PREFIX, max_tokens=1)
     assert plain.usage.prompt_tokens == len(ids_of(served.tokenizer, PREFIX))
