@@ -110,12 +110,19 @@ def find_fim(tokenizer: Any, model_info: dict[str, Any]) -> Fim | None:
     if all(named[r] is not None for r in ("pre", "suf", "mid")):
         text = tokenizer.convert_ids_to_tokens(int(named["pre"]))
         family = next((f for f in FAMILIES if text in f.tokens["prefix"]), None)
-        return fim_of(tokenizer, family, named)
+        found = family_ids(tokenizer, family) if family else {}
+        both = {r: found.get(r) if named[r] is None else named[r] for r in ROLES}
+        return fim_of(tokenizer, family, both)  # the GGUF's ids, the rest by their strings
     for family in FAMILIES:
-        ids = {FAMILY_ROLE.get(r, r): first_id(tokenizer, t) for r, t in family.tokens.items()}
+        ids = family_ids(tokenizer, family)
         if ids.get("pre") is not None and ids.get("suf") is not None:
             return fim_of(tokenizer, family, {r: ids.get(r) for r in ROLES})
     return None
+
+
+def family_ids(tokenizer: Any, family: Family) -> dict[str, int | None]:
+    """The ids of `family`'s FIM tokens in the vocabulary, by role (None: not a token)."""
+    return {FAMILY_ROLE.get(r, r): first_id(tokenizer, t) for r, t in family.tokens.items()}
 
 
 def first_id(tokenizer: Any, alternatives: tuple[str, ...]) -> int | None:
