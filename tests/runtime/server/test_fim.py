@@ -157,6 +157,13 @@ def test_gguf_metadata_names_the_tokens() -> None:
     ids = layout(fim, lambda t: ids_of(tokenizer, t), "a", "b")
     assert ids == [named["pre"], *ids_of(tokenizer, "a"), named["suf"], *ids_of(tokenizer, "b"),
                    named["mid"]]  # fmt: skip
+    # a Qwen GGUF naming only these three: its repository tokens by their strings
+    qwen = fim_tokenizer("qwen")
+    three = {r: qwen.convert_tokens_to_ids(f"<|fim_{n}|>") for r, n in
+             (("pre", "prefix"), ("suf", "suffix"), ("mid", "middle"))}  # fmt: skip
+    fim = find_fim(qwen, {"fim_token_ids": three})
+    assert fim.family == "qwen2.5-coder"
+    assert fim.ids["sep"] == qwen.convert_tokens_to_ids("<|file_sep|>")
 
 
 # ---- the doors, on a served tiny model ----------------------------------------------------
