@@ -47,6 +47,9 @@ class ServerConfig:
     revision: str = _knob("", "branch, tag or commit of a hub id in the local cache ('' = main)")
     served_model_name: str = _knob("", "model name reported to clients; '' = --model-path")
     chat_template: str = _knob("", "chat template file or Jinja string overriding the model's")
+    spm_infill: bool = _knob(
+        False, "fill-in-the-middle prompts put the suffix first (SPM; llama.cpp's flag)"
+    )
     is_embedding: bool = _knob(
         False,
         "serve embeddings only (/v1/embeddings, /api/embed; generation is refused): an encoder "

@@ -47,6 +47,7 @@ from radixflow.runtime.models.card import model_card
 from radixflow.runtime.models.layers import CausalLM
 from radixflow.runtime.models.loader import (
     load_hf_config,
+    model_fim_token_ids,
     model_sampling_defaults,
     resolve_model_dir,
 )
@@ -189,6 +190,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "sampling_defaults": (
             model_sampling_defaults(model_dir) if config.sampling_defaults == "model" else {}
         ),
+        "fim_token_ids": model_fim_token_ids(model_dir),  # a GGUF's FIM tokens (server/fim.py)
         "card": model_card(model_dir, hf_config),  # what the weights are (Ollama's listings)
         # an encoder (--is-embedding): embed inputs get its special tokens ([CLS] ... [SEP])
         "is_encoder": encoder,

@@ -195,6 +195,19 @@ def model_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
     return out
 
 
+FIM_ROLES = ("pre", "suf", "mid", "pad", "rep", "sep")  # llama.cpp's fill-in-the-middle keys
+
+
+def model_fim_token_ids(model_dir: Path) -> dict[str, int]:
+    """The fill-in-the-middle token ids a GGUF names (`tokenizer.ggml.fim_<role>_token_id`,
+    llama.cpp's keys), by role; {} for a Hugging Face checkpoint or a GGUF naming none (the
+    server then looks the tokens up by their strings)."""
+    gguf = gguf_source(model_dir)
+    fields = Layout(gguf).fields if gguf is not None else {}
+    found = {role: fields.get(f"tokenizer.ggml.fim_{role}_token_id") for role in FIM_ROLES}
+    return {role: int(v) for role, v in found.items() if isinstance(v, int)}
+
+
 def load_hf_config(model_dir: Path) -> Any:
     """transformers' config object for a local directory (never remote code), so fields a
     config class derives (layer types, rope parameters) are derived as transformers does."""

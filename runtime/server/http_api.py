@@ -1,8 +1,8 @@
 """The HTTP door: SGLang's native API (same paths, fields and shapes as SGLang's server, so its
 frontend, scripts and router work unchanged), the OpenAI-compatible routes
 (runtime/server/openai_api.py; the Responses API in responses_api.py), Anthropic's Messages API
-(runtime/server/anthropic_api.py), Ollama's (ollama_api.py), embeddings (embeddings_api.py) and
-`/metrics`, served by aiohttp on the server's one event loop.
+(runtime/server/anthropic_api.py), Ollama's (ollama_api.py), llama.cpp's /infill (infill_api.py),
+embeddings (embeddings_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
 (`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
@@ -55,6 +55,7 @@ from radixflow.runtime.server.http_request import (
     request_error,
     typed,
 )
+from radixflow.runtime.server.infill_api import InfillRoutes
 from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
@@ -140,7 +141,8 @@ class HttpDoor:
             get("/metrics", self.metrics),
         ]
         openai = OpenAiRoutes(self)
-        doors = [ResponsesRoutes(self), AnthropicRoutes(self), OllamaRoutes(self, openai)]
+        doors = [ResponsesRoutes(self), AnthropicRoutes(self), OllamaRoutes(self, openai),
+                 InfillRoutes(self, openai)]  # fmt: skip
         self.app.add_routes(routes + openai.routes() + [r for d in doors for r in d.routes()])
         self.app.add_routes(EmbeddingsRoutes(self).routes())
         self.runner: web.AppRunner | None = None

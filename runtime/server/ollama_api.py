@@ -3,13 +3,13 @@
 
 A thin translation (DESIGN §11): a chat request becomes an OpenAI chat body that the shared
 chat core runs (OpenAiRoutes.chat_job + ChatRunner: template, tools, grammars, reasoning);
-`/api/generate` is a one-turn chat through the same core, or with `raw` a prompt taken as is
-and submitted as /v1/completions submits it (OpenAiRoutes.choices_of), read by the same
-runner. `options` become the sampling fields (OPTIONS); an option that would change the
-output in a way radixflow does not implement is refused naming it, one that only tunes how
-Ollama loads a model is accepted. Ollama has no tool_choice: with tools, the model decides
-(`auto`). Durations are in nanoseconds: the prompt's is the time to the first token, the
-reply's the rest.
+`/api/generate` is a one-turn chat through the same core, or with `raw` (or a `suffix`: the
+model's fill-in-the-middle layout, server/fim.py) a prompt taken as is and submitted as
+/v1/completions submits it (OpenAiRoutes.choices_of), read by the same runner. `options` become
+the sampling fields (OPTIONS); an option that would change the output in a way radixflow does
+not implement is refused naming it, one that only tunes how Ollama loads a model is accepted.
+Ollama has no tool_choice: with tools, the model decides (`auto`). Durations are in
+nanoseconds: the prompt's is the time to the first token, the reply's the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from aiohttp import web
 
 from radixflow.runtime.server.chat import ChatPlan
 from radixflow.runtime.server.chat_runner import ChatJob, ChatReply, ChatRunner
+from radixflow.runtime.server.fim import fim_prompt, find_fim
 from radixflow.runtime.server.http_request import (
     HttpError,
     check_fields,
@@ -34,6 +35,7 @@ from radixflow.runtime.server.http_request import (
     prepend,
     typed,
 )
+from radixflow.runtime.server.ollama_messages import NO_VISION, chat_messages
 from radixflow.runtime.server.tool_calls import ToolCall
 
 # Ollama 0.12's API is what this door speaks. Clients parse the version as semver and gate
@@ -41,9 +43,7 @@ from radixflow.runtime.server.tool_calls import ToolCall
 # version, not radixflow's own.
 OLLAMA_VERSION = "0.12.0"
 NDJSON = "application/x-ndjson"
-NO_VISION = "this model has no vision: images are not supported"
 FOREVER = "2318-01-01T00:00:00Z"  # expires_at of a model that stays loaded (keep_alive -1)
-ROLES = ("system", "user", "assistant", "tool")
 COMMON = {"model", "stream", "format", "options", "keep_alive", "think", "truncate", "shift"}
 CHAT = COMMON | {"messages", "tools"}
 GENERATE = COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images"}
@@ -197,6 +197,8 @@ class OllamaRoutes:
         stop = f"PARAMETER {parameters}\n" if parameters else ""
         modelfile = f"# the served model, described\n{source}{stop}"
         thinking = ["thinking"] if self.server.config.reasoning_parser else []
+        tokenizer = self.server.tokenizer  # `suffix` works where the model has FIM tokens
+        insert = ["insert"] if tokenizer is not None and find_fim(tokenizer, info) else []
         model_info = {
             "general.architecture": family,
             "general.parameter_count": card.get("parameter_count", 0),
@@ -209,7 +211,7 @@ class OllamaRoutes:
             "template": template,  # Jinja, the model's own (Ollama's are Go templates)
             "details": self.details(),
             "model_info": model_info,
-            "capabilities": ["completion", "tools", *thinking],  # tools: every model (generic)
+            "capabilities": ["completion", "tools", *thinking, *insert],  # tools: every model
             "modified_at": rfc3339(card.get("modified", self.started)),
         }
         return json_response(shown)
@@ -332,7 +334,8 @@ class OllamaRoutes:
         prompt = typed(body, "prompt", str, "")
         if not prompt:  # Ollama's "load the model" call
             return json_response({**self.head(name), "response": "", **LOADED})
-        raw = typed(body, "raw", bool, False)
+        suffix = typed(body, "suffix", str, "")  # an insert: the model's FIM layout, as is
+        raw = typed(body, "raw", bool, False) or bool(suffix)
         refuse_generate_fields(body, raw)
         context = body.get("context") or []
         if not is_int_list(context):
@@ -341,7 +344,9 @@ class OllamaRoutes:
         fields = {"stream": stream, **self.sampling_fields(body)}
         if raw:
             fields.pop("chat_template_kwargs", None)  # think false; true is refused above
-            ids = context + self.openai.tokenize(prompt)
+            insert = fim_prompt(self.server, "suffix", prompt, suffix) if suffix else None
+            ids = context + (insert[0] if insert else self.openai.tokenize(prompt))
+            fields["stop_token_ids"] = insert[1] if insert else None
             msgs = self.openai.choices_of([ids], fields, "max_tokens", -1)
             job = ChatJob(ChatPlan(prompt, {}, None, None, False), msgs, fields)
         else:
@@ -437,63 +442,6 @@ def refuse_generate_fields(body: dict[str, Any], raw: bool) -> None:
         raise HttpError(400, "system and think need the chat template: raw is true", "raw")
     if body.get("images"):
         raise HttpError(400, NO_VISION, "images")
-    if body.get("suffix"):
-        raise HttpError(400, "suffix is not supported: no fill-in-the-middle here", "suffix")
     if body.get("template"):
         why = "prompts go through the model's own chat template (or raw: true)"
         raise HttpError(400, f"template is not supported: {why}", "template")
-
-
-def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Ollama's messages as OpenAI's: a call's arguments may stay an object (the chat core
-    takes both); calls get ids, and a tool message (`tool_name`, no id in Ollama's API)
-    answers the first open call of that name, else the first open call."""
-    out: list[dict[str, Any]] = []
-    open_calls: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "role")
-        if message.get("images"):
-            raise HttpError(400, NO_VISION, "images")
-        content = message.get("content") or ""  # clients drop an empty content
-        if not isinstance(content, str):
-            raise HttpError(400, f"messages[{i}].content must be a string", "content")
-        entry: dict[str, Any] = {"role": message["role"], "content": content}
-        if message["role"] == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = openai_calls(message["tool_calls"], i)
-            open_calls = list(entry["tool_calls"])
-        if message["role"] == "tool":
-            entry["tool_call_id"], entry["name"] = answered(message, open_calls, i)
-        out.append(entry)
-    return out
-
-
-def openai_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise HttpError(400, f"messages[{i}].tool_calls must be a list of objects", "tool_calls")
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise HttpError(400, f"messages[{i}].tool_calls[{j}] needs function.name")
-        arguments = function.get("arguments") or {}
-        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}_{j}"
-        out.append({"id": call_id, "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
-    return out
-
-
-def answered(message: dict[str, Any], open_calls: list[dict[str, Any]], i: int) -> tuple:
-    """(tool_call_id, tool name) of a tool message; the call it answers is no longer open."""
-    given = message.get("tool_call_id")
-    name = message.get("tool_name", message.get("name"))
-    if name is not None and not isinstance(name, str):
-        raise HttpError(400, f"messages[{i}].tool_name must be a string", "tool_name")
-    match = next((c for c in open_calls if c["id"] == given), None)
-    match = match or next((c for c in open_calls if c["function"]["name"] == name), None)
-    if match is None and name is None and open_calls:
-        match = open_calls[0]
-    if match is None:
-        return (given if isinstance(given, str) else f"call_{i}"), name
-    open_calls.remove(match)
-    return match["id"], match["function"]["name"]

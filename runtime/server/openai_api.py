@@ -21,6 +21,7 @@ from aiohttp import web
 from radixflow.runtime.protocol.messages import Chunk, Error, Generate
 from radixflow.runtime.server.chat import ChatPlan, ChatStream, plan_chat
 from radixflow.runtime.server.chat_runner import ChatJob
+from radixflow.runtime.server.fim import fim_prompt
 from radixflow.runtime.server.http_request import (
     HttpError,
     check_fields,
@@ -296,8 +297,6 @@ class OpenAiRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.request_body(request, COMPLETION)
-        if body.get("suffix"):
-            raise HttpError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
         echo = typed(body, "echo", bool, False)
         if echo and typed(body, "stream", bool, False):
             raise HttpError(400, "echo is not supported with stream; send stream=false", "echo")
@@ -307,7 +306,14 @@ class OpenAiRoutes:
             texts = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             texts = list(prompt)
-        if texts is not None:
+        suffix = typed(body, "suffix", str, "")
+        if suffix and texts is None:
+            raise HttpError(400, "suffix needs a text prompt (the code before it)", "suffix")
+        if suffix:  # fill-in-the-middle: the model's FIM layout, stopped by its end tokens
+            inserts = [fim_prompt(self.server, "suffix", t, suffix) for t in texts]
+            prompts = [ids for ids, _ in inserts]
+            body["stop_token_ids"] = [*(body.get("stop_token_ids") or ()), *inserts[0][1]]
+        elif texts is not None:
             prompts = [self.tokenize(t) for t in texts]
         elif is_int_list(prompt) and prompt:
             prompts = [prompt]

@@ -9,6 +9,7 @@ import argparse
 import json
 import shutil
 
+import gguf
 import pytest
 import torch
 from family_models import one_thread, save_family, tiny_tokenizer
@@ -19,6 +20,7 @@ from radixflow.runtime.config import ServerConfig, add_config_arguments, config_
 from radixflow.runtime.models.loader import (
     ModelNotFoundError,
     UnsupportedModelError,
+    model_fim_token_ids,
     resolve_model_dir,
 )
 from radixflow.runtime.models.weights import CheckpointError
@@ -231,3 +233,19 @@ def test_sharded_checkpoint_reads_only_its_index(qwen2, tmp_path):
                 engine.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"]
                 == (whole.generate(input_ids=ids, sampling_params=PARAMS)["output_ids"])
             )
+
+
+def test_fim_token_ids_come_from_llama_cpps_gguf_keys(tmp_path) -> None:
+    """`tokenizer.ggml.fim_<role>_token_id` (llama.cpp's keys) by role; none: {}."""
+    path = tmp_path / "fim.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    named = {"pre": 7, "suf": 9, "mid": 8, "sep": 12}
+    for role, token in named.items():
+        writer.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", token)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (tmp_path / "gguf.json").write_text(json.dumps({"path": str(path)}))
+    assert model_fim_token_ids(tmp_path) == named
+    assert model_fim_token_ids(tmp_path / "nowhere") == {}  # a Hugging Face directory

@@ -319,7 +319,9 @@ async def thinking_answers() -> tuple[list[Any], list[dict[str, Any]]]:
     async def body(request: web.Request) -> Any:
         return await request.json()
 
-    server = SimpleNamespace(config=ServerConfig(reasoning_parser="qwen3"), model_info={})
+    server = SimpleNamespace(
+        config=ServerConfig(reasoning_parser="qwen3"), model_info={}, tokenizer=None
+    )
     door = SimpleNamespace(server=server, error_shapes=[], body=body)
     core = ThinkingCore()
     routes = OllamaRoutes(door, core)
