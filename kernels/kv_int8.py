@@ -105,11 +105,16 @@ class Int8KV:
         return self.data.nbytes + self.scale.nbytes
 
 
+def pool_tensors(pool: torch.Tensor | Int8KV) -> tuple[torch.Tensor, ...]:
+    """Every tensor a page copy of a stacked pool (layers, num_slots, ...) must move, each
+    indexed by slot on dim 1: the pool itself, or an int8 pool's data and its scales. A
+    tier that saves pages and loads them back moves all of them, or the int8 values come
+    back under another token's scales."""
+    return (pool.data, pool.scale) if isinstance(pool, Int8KV) else (pool,)
+
+
 def copy_slots(pool: torch.Tensor | Int8KV, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Slots `src` of a stacked pool (layers, num_slots, ...) copied to `dst`, every layer:
-    an int8 pool's scales with its data (copy-on-write pages, a lower tier's page copies)."""
-    if isinstance(pool, Int8KV):
-        pool.data[:, dst] = pool.data[:, src]
-        pool.scale[:, dst] = pool.scale[:, src]
-    else:
-        pool[:, dst] = pool[:, src]
+    an int8 pool's scales with its data (copy-on-write pages)."""
+    for tensor in pool_tensors(pool):
+        tensor[:, dst] = tensor[:, src]

@@ -13,7 +13,7 @@ from test_native import needs_lib, pooled_batch
 from radixflow.kernels import reference
 from radixflow.kernels.cpu import attention as cpu_attention
 from radixflow.kernels.cpu import native
-from radixflow.kernels.kv_int8 import Int8KV, copy_slots, dequantize, quantize
+from radixflow.kernels.kv_int8 import Int8KV, copy_slots, dequantize, pool_tensors, quantize
 from radixflow.runtime.models.rope import rope_qk
 
 
@@ -199,3 +199,4 @@ def test_copy_slots_carries_the_scales() -> None:
     copy_slots(pool, src, dst)
     assert torch.equal(pool[:, dst], before)
     assert torch.equal(pool.scale[:, dst], pool.scale[:, src])
+    assert pool_tensors(pool) == (pool.data, pool.scale)
