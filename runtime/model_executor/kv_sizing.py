@@ -134,12 +134,11 @@ def token_bytes(model_config: Any, dtype: torch.dtype) -> int:
 
 def check_kv_device(dtype: torch.dtype, device_type: str, backend: str = "") -> None:
     """Raises KVDtypeError for an int8 pool off the CPU or under the Triton attention."""
-    if dtype == torch.int8 and backend == "triton":
-        device_type = "triton"
-    if dtype == torch.int8 and device_type != "cpu":
+    if dtype == torch.int8 and (device_type != "cpu" or backend == "triton"):
+        where = "--attention-backend triton" if backend == "triton" else device_type
         raise KVDtypeError(
-            "--kv-cache-dtype int8 is read by the CPU kernels only: the Triton attention on "
-            f"{device_type} reads no int8 pool (use bf16 or fp16 there)"
+            f"--kv-cache-dtype int8 is read by the CPU kernels only: the Triton attention "
+            f"({where}) reads no int8 pool; use bf16 or fp16 there"
         )
 
 

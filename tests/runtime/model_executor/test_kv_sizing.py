@@ -25,6 +25,7 @@ from radixflow.runtime.model_executor.kv_sizing import (
     KVDtypeError,
     MemoryBudgetError,
     MemoryPlan,
+    check_kv_device,
     choose_pool,
     kv_bytes_per_token,
     kv_cache_dtype,
@@ -85,6 +86,10 @@ def test_int8_pool_holds_about_twice_bf16s_tokens_in_the_same_memory() -> None:
     assert kv_cache_dtype("int8", torch.float32) == torch.int8
     with pytest.raises(KVDtypeError, match="int8 is read by the CPU kernels only"):
         choose_pool(ServerConfig(), plan(22.5, 4.1, torch.int8), LLAMA_7B, "cuda")
+    with pytest.raises(KVDtypeError, match=r"Triton attention \(--attention-backend triton\)"):
+        check_kv_device(torch.int8, "cpu", "triton")  # the runner's check, --attention-backend
+    check_kv_device(torch.int8, "cpu", "torch")
+    check_kv_device(torch.bfloat16, "cuda", "triton")
 
 
 def test_small_machine_gets_one_full_context_when_it_fits_and_less_when_not() -> None:
