@@ -1,11 +1,15 @@
-"""Which KV pool dtype `--kv-cache-dtype auto` should pick for quantized weights: fp32, bf16 and
-fp16 pools side by side on one model, through the Engine.
+"""KV pool dtypes side by side on one model, through the Engine: fp32, bf16, fp16 and int8
+(which one `--kv-cache-dtype auto` should pick for quantized weights, and what int8's scaled
+pool costs in accuracy and speed).
 
     python -m radixflow.bench.kv_dtype [--model smollm2] [--new-tokens 256] [--repeats 3]
+        [--dtypes fp32,bf16,fp16,int8] [--streams 1,16]
 
 - accuracy: greedy continuations of the chat prompts, each pool against the fp32 pool: the
   share of tokens equal up to the first divergence and after it (top-1 agreement), and the
-  mean and max absolute difference of the chosen tokens' log-probs over the common prefix.
+  mean and max absolute difference of the chosen tokens' log-probs over the common prefix
+  (the logit error as the user sees it: the log-softmax removes only a per-row shift).
+- memory: each pool's bytes per token (an int8 pool's scales included), from the runner.
 - speed: decode tokens/s at 1 and 16 streams, the pools interleaved round by round, medians
   of `--repeats` rounds (each engine's start log gives its pool's bytes per token).
 """
@@ -21,7 +25,7 @@ from typing import Any
 from radixflow.bench.harness import wait_until_quiet
 from radixflow.bench.quantized import PROMPTS, chat
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "int8")
 
 
 def greedy(engine: Any, prompts: list[str], new_tokens: int) -> list[dict[str, Any]]:
@@ -65,17 +69,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="fp32 first: the reference")
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
     args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    assert dtypes[0] == "fp32", "the fp32 pool is the reference: name it first"
     prompts = [chat(p) for p in PROMPTS]
     engines = {
-        d: Engine(model=args.model, kv_cache_dtype=d, max_total_tokens=16384) for d in DTYPES
+        d: Engine(model=args.model, kv_cache_dtype=d, max_total_tokens=args.max_total_tokens)
+        for d in dtypes
     }
     outputs = {d: greedy(e, prompts, args.new_tokens) for d, e in engines.items()}
-    rows = {d: compare(outputs["fp32"], outputs[d]) for d in DTYPES}
+    rows = {d: compare(outputs["fp32"], outputs[d]) for d in dtypes}
+    for d, engine in engines.items():
+        runner = engine.scheduler.runner
+        pools = runner.k_caches.nbytes + runner.v_caches.nbytes
+        rows[d]["bytes_per_token"] = pools // runner.k_caches.shape[1]
     streams = [int(s) for s in args.streams.split(",")]
-    rates: dict[tuple[str, int], list[float]] = {(d, n): [] for d in DTYPES for n in streams}
+    rates: dict[tuple[str, int], list[float]] = {(d, n): [] for d in dtypes for n in streams}
     for round_ in range(args.repeats):
-        order = DTYPES[round_ % 3 :] + DTYPES[: round_ % 3]
+        turn = round_ % len(dtypes)
+        order = dtypes[turn:] + dtypes[:turn]
         for n in streams:
             batch = [prompts[i % len(prompts)] + " " * (i // len(prompts)) for i in range(n)]
             for d in order:

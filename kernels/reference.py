@@ -8,7 +8,8 @@ Metadata format (integer tensors; B requests):
   qo_indptr  (B+1,)  prefix sum of each request's new-token count (rows of q / k_extend)
   kv_indptr  (B+1,)  prefix sum of each request's pooled KV length
   kv_indices (sum,)  pool slot of every pooled KV position, request after request
-Pools are (num_slots, num_kv_heads, head_dim) per layer; slot 0 is a dummy.
+Pools are (num_slots, num_kv_heads, head_dim) per layer; slot 0 is a dummy. An int8 pool
+(`kv_int8.Int8KV`) indexes as the same rows dequantized, and stores by quantizing.
 Query head h uses KV head h // (num_heads // num_kv_heads) (grouped-query attention).
 Math runs in fp32; outputs come back in q's dtype. A query that sees no key gets zeros.
 """
@@ -17,15 +18,21 @@ from __future__ import annotations
 
 import torch
 
+from radixflow.kernels.kv_int8 import Int8KV
+
 
 def store_kv(
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+    k_buffer: torch.Tensor | Int8KV,
+    v_buffer: torch.Tensor | Int8KV,
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
     """Write new keys/values (n, num_kv_heads, head_dim) into the pools at `slots` (n,)."""
+    if isinstance(k_buffer, Int8KV) and isinstance(v_buffer, Int8KV):
+        k_buffer.store(slots, k)
+        v_buffer.store(slots, v)
+        return
     k_buffer[slots] = k.to(k_buffer.dtype)
     v_buffer[slots] = v.to(v_buffer.dtype)
 

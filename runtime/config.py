@@ -24,7 +24,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's spellings plus fp16/fp32; its fp8/fp4 are not built
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8")
 QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "fp32")
@@ -115,8 +115,10 @@ class ServerConfig:
         "auto",
         "KV cache storage: auto (fp16 for quantized weights and fp32 models of 2 GiB or more "
         "on CPU, as llama.cpp's f16 default; else the model's dtype), fp16/float16 or "
-        "bf16/bfloat16 (half an fp32 pool's memory; attention still computes in fp32), or "
-        "fp32/float32 (the exact pool)",
+        "bf16/bfloat16 (half an fp32 pool's memory; attention still computes in fp32), "
+        "int8 (CPU only: one fp32 scale per token and KV head, about half a bf16 pool's "
+        "memory, read by the native kernels without a dequantized copy), or fp32/float32 "
+        "(the exact pool)",
     )
     num_threads: str = _knob(
         "auto",

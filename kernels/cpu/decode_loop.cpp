@@ -29,7 +29,8 @@ typedef void (*SiluMul)(const float *, int64_t, int64_t, int64_t, float *, int);
 typedef int64_t (*RopeDecodeAttention)(float *, int64_t, const float *, const float *, int64_t,
                                        void *, void *, int64_t, const int64_t *,
                                        const int64_t *, const int64_t *, const int64_t *, int,
-                                       int, int, int, float, float, float *, float *, int, int);
+                                       int, int, int, float, float, float *, float *, int, int,
+                                       float *, float *);
 
 typedef int (*QLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
                        int64_t, int, const float *, const float *, float *, int64_t, int);
@@ -88,8 +89,8 @@ const int64_t *i64(const at::Tensor &t) { return t.data_ptr<int64_t>(); }
  * and residual (their sum is the final norm's input), and rf_rope_decode_attention's status
  * (0, or the layer's nonzero status: the loop stops there); -3, with nothing touched, for
  * inputs it does not take (hidden not contiguous fp32, pools not contiguous and all fp32 or
- * all bf16 or all fp16: --kv-cache-dtype's half-precision pools are read and written by the
- * native attention). */
+ * all bf16 or all fp16 or all int8 with k_scales, v_scales: --kv-cache-dtype's pools are
+ * read and written by the native attention; the scale lists are empty for the others). */
 std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
     const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
@@ -97,16 +98,27 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     const std::vector<at::Tensor> &v_pools, const at::Tensor &cos, const at::Tensor &sin,
     const at::Tensor &slots, const at::Tensor &run_indptr, const at::Tensor &first,
     const at::Tensor &count, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double scale, double eps, const std::vector<int64_t> &fns, int64_t threads) {
+    double scale, double eps, const std::vector<int64_t> &fns, int64_t threads,
+    const std::vector<at::Tensor> &k_scales, const std::vector<at::Tensor> &v_scales) {
     pybind11::gil_scoped_release no_gil;
     const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat;
     const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
-    if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf)
+    if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf &&
+        kv_type != at::kChar)
         return {hidden, at::Tensor(), -3};
-    const int kv_kind = kv_type == at::kBFloat16 ? 1 : kv_type == at::kHalf ? 2 : 0;
+    const int kv_kind = kv_type == at::kChar       ? 3
+                        : kv_type == at::kBFloat16 ? 1
+                        : kv_type == at::kHalf     ? 2
+                                                   : 0;
+    const bool scaled = kv_kind == 3;  /* int8: each layer's scales (num_slots, Hkv) fp32 */
+    if (scaled && (k_scales.size() != k_pools.size() || v_scales.size() != v_pools.size()))
+        return {hidden, at::Tensor(), -3};
     for (size_t i = 0; plain && i < k_pools.size(); i++)
         if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
-            k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type)
+            k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type ||
+            (scaled && (!k_scales[i].is_contiguous() || !v_scales[i].is_contiguous() ||
+                        k_scales[i].scalar_type() != at::kFloat ||
+                        v_scales[i].scalar_type() != at::kFloat)))
             return {hidden, at::Tensor(), -3};
     if (!plain || 4 * k_pools.size() != projs.size() || projs.size() != metas.size())
         return {hidden, at::Tensor(), -3};
@@ -155,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
             f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), k_pools[i].data_ptr(),
             v_pools[i].data_ptr(), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
-            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_kind);
+            (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_kind,
+            scaled ? f32(k_scales[i]) : nullptr, scaled ? f32(v_scales[i]) : nullptr);
         if (status != 0) return {hidden, residual, status};
         at::Tensor projected = project(attn, i, 1);
         if (!projected.defined()) return {hidden, residual, -4};

@@ -9,11 +9,11 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
 
 - It serves the plain pre-norm decoder: fused qkv and gate_up projections without biases,
   each prepacked for oneDNN (`runtime/models/prepack.py`), RMSNorm without offset, SiLU,
-  no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32, bf16 or
-  fp16), the native kernels built. `build` returns None for any other model (Llama and SmolLM2
-  qualify; so does Mistral without its window), and `DecodeLoop.run` returns None for a step
-  it does not take (shared prefixes to merge, too few rows for the packs): the layers then
-  run in Python.
+  no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32, bf16,
+  fp16 or int8 with scales), the native kernels built. `build` returns None for any other
+  model (Llama and SmolLM2 qualify; so does Mistral without its window), and
+  `DecodeLoop.run` returns None for a step it does not take (shared prefixes to merge, too
+  few rows for the packs): the layers then run in Python.
 - Built once per machine into `RADIXFLOW_CACHE/decode_loop` (about 30 s, at model load);
   where it cannot be built (no C++ compiler, ninja or torch headers) it is off, with a log
   line. `RADIXFLOW_DECODE_LOOP=0` turns it off; so does `--disable-cpu-decode-loop`.
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from radixflow.kernels.cpu import native
 from radixflow.kernels.cpu import quant as native_quant
+from radixflow.kernels.kv_int8 import Int8KV
 from radixflow.kernels.quant import QuantWeight
 
 log = logging.getLogger(__name__)
@@ -109,10 +110,11 @@ class DecodeLoop:
         slots = batch.out_slots
         if not (cos.is_contiguous() and sin.is_contiguous() and slots.dtype == torch.int64):
             return None
+        pools = _pool_lists(k_layers, v_layers)
         mlp, residual, status = self.ext.decode_layers(
-            hidden, *self.weights, list(k_layers), list(v_layers), cos, sin, slots.contiguous(),
+            hidden, *self.weights, pools[0], pools[1], cos, sin, slots.contiguous(),
             *layout.runs, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            self.eps, self.fns, torch.get_num_threads(),
+            self.eps, self.fns, torch.get_num_threads(), pools[2], pools[3],
         )  # fmt: skip
         if status in (-3, -4):  # refused (-4 after storing some layers' K/V, which the
             # Python layers store again, the same values): the Python layers take the step
@@ -124,6 +126,18 @@ class DecodeLoop:
         if status != 0:
             raise RuntimeError(f"native decode attention refused the step ({status})")
         return mlp, residual
+
+
+def _pool_lists(k_layers: Any, v_layers: Any) -> tuple[list[torch.Tensor], ...]:
+    """(k pools, v pools, k scales, v scales) per layer for `decode_layers`: an int8 pool
+    (Int8KV) as its data and its scales, the scale lists empty for the other dtypes."""
+    k_layers, v_layers = list(k_layers), list(v_layers)
+    if k_layers and isinstance(k_layers[0], Int8KV):
+        return (
+            [p.data for p in k_layers], [p.data for p in v_layers],
+            [p.scale for p in k_layers], [p.scale for p in v_layers],
+        )  # fmt: skip
+    return k_layers, v_layers, [], []
 
 
 def _projection(p: Any) -> tuple[list[torch.Tensor], list[int], int, int] | None:

@@ -9,10 +9,13 @@
  * them where the machine has narrower ones). Sums run in a fixed order per row, so results
  * do not depend on the thread count.
  *
- * KV pools are fp32, bf16 or fp16 (`kv_type` 0, 1, 2; --kv-cache-dtype): half-precision keys
- * and values are widened to fp32 as they are loaded (bf16 by a 16-bit shift, fp16 by the
+ * KV pools are fp32, bf16, fp16 or int8 (`kv_type` 0, 1, 2, 3; --kv-cache-dtype): half-precision
+ * keys and values are widened to fp32 as they are loaded (bf16 by a 16-bit shift, fp16 by the
  * F16C/AVX-512 conversion) and rounded to nearest even as they are stored, as torch's
- * conversions do; all math stays fp32. */
+ * conversions do; int8 pools carry one fp32 scale per (slot, KV head) in their own arrays
+ * (k_scale, v_scale: num_slots x Hkv), loaded as int8 * scale and stored as
+ * round(x / scale) with scale = max |x| / 127 over the head's D values
+ * (kernels/kv_int8.py is the torch spec). All math stays fp32. */
 #include <math.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,6 +39,8 @@ static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
 typedef uint16_t vh __attribute__((vector_size(32)));  /* 16 bf16 */
 typedef uint32_t vu __attribute__((vector_size(64)));
 typedef _Float16 vhf __attribute__((vector_size(32)));  /* 16 fp16 */
+typedef int8_t vb __attribute__((vector_size(16)));  /* 16 int8 */
+#define KV_BYTES(kind) ((kind) == 3 ? 1 : (kind) ? 2 : 4)  /* a pool element's size */
 
 /* 16 fp16 -> fp32: one vcvtph2ps (AVX-512) or two (F16C); GCC's generic conversion of a
  * _Float16 vector ran element by element (4x slower attention than a bf16 pool). */
@@ -75,11 +80,17 @@ static inline void narrow_fp16(_Float16 *out, const float *in, int64_t n) {
     for (; i < n; i++) out[i] = (_Float16)in[i];
 }
 
-/* 16 pool elements from element index i of an fp32 (kind 0), bf16 (1) or fp16 (2) pool, in
- * fp32; kind is a constant where this is inlined, so each pool type gets its own loop. */
+/* 16 pool elements from element index i of an fp32 (kind 0), bf16 (1), fp16 (2) or int8 (3,
+ * unscaled: the caller multiplies by the head's scale) pool, in fp32; kind is a constant
+ * where this is inlined, so each pool type gets its own loop. */
 static inline vf load_kv(const void *pool, int64_t i, const int kind) {
     if (!kind) return loadv((const float *)pool + i);
     if (kind == 2) return widen_fp16((const _Float16 *)pool + i);
+    if (kind == 3) {
+        vb b;
+        memcpy(&b, (const int8_t *)pool + i, sizeof b);
+        return __builtin_convertvector(b, vf);
+    }
     vh h;
     memcpy(&h, (const uint16_t *)pool + i, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
@@ -92,6 +103,24 @@ static inline uint16_t to_bf16(float x) {
     memcpy(&u, &x, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* `heads` heads of D floats -> int8 with one scale each: scale = max |x| / 127, q =
+ * round-half-even(x / scale) (0 where the head is all zeros), as kv_int8.quantize computes
+ * them bit for bit (a division, not a multiply by 127 / max: the same rounding as torch). */
+static inline void quantize_int8(int8_t *out, float *scale, const float *in, int64_t heads,
+                                 int64_t D) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *x = in + h * D;
+        float amax = 0.f;
+        for (int64_t i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float s = amax / 127.f;
+        scale[h] = s;
+        for (int64_t i = 0; i < D; i++) {
+            float r = s > 0.f ? nearbyintf(x[i] / s) : 0.f;
+            out[h * D + i] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+        }
+    }
 }
 
 static inline vf vmax(vf a, vf b) {
@@ -183,9 +212,10 @@ static inline void advance(Prefetch *p, int lines) {
  * every query row of a head scored (or weighted) at once; the next block, or the next run's
  * or task's first one, is prefetched meanwhile (they lie elsewhere in the pool). */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const void *k, const void *v, int64_t hs, int64_t ks, const int64_t *first,
-    const int64_t *count, int64_t num_runs, int NH, const int G, const int C, const int BF,
-    float scale, float cap, float *out, float *lse, int64_t next_slot, int64_t next_count) {
+    const float *q, const void *k, const void *v, const float *ksc, const float *vsc, int64_t hs,
+    int64_t ks, const int64_t *first, const int64_t *count, int64_t num_runs, int NH, const int G,
+    const int C, const int BF, float scale, float cap, float *out, float *lse, int64_t next_slot,
+    int64_t next_count) {
     const int R = NH * G;
     vf qs[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][VW];
     float m[MAX_ROWS], s[MAX_ROWS], p[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
@@ -195,10 +225,11 @@ static inline __attribute__((always_inline)) void attend(
             acc[r][c] = (vf){0}, qs[r][c] = loadv(q + (r * C + c) * VW) * scale;
     }
     const int64_t width = (NH - 1) * hs + C * VW; /* floats of one slot's heads */
+    const int64_t sks = ks / hs; /* an int8 pool's scales per slot (its KV heads) */
     for (int64_t i = 0, j0 = 0, end = 0; i < num_runs; i++)
     for (j0 = first[i], end = first[i] + count[i]; j0 < end; j0 += BLOCK) {
         int n = (int)(end - j0 < BLOCK ? end - j0 : BLOCK), nv = (n + VW - 1) / VW;
-        Prefetch pf = {k, v, ks, 0, 0, width, 0, BF ? 2 : 4};
+        Prefetch pf = {k, v, ks, 0, 0, width, 0, KV_BYTES(BF)};
         if (j0 + BLOCK < end)
             pf.row = j0 + BLOCK, pf.end = end - j0 - BLOCK < BLOCK ? end : j0 + 2 * BLOCK;
         else if (i + 1 < num_runs)
@@ -209,11 +240,13 @@ static inline __attribute__((always_inline)) void attend(
         for (int j1 = 0; j1 < n; j1 += VW) { /* 16 keys' partial dot products, reduced */
             int nj = n - j1 < VW ? n - j1 : VW;
             for (int j = 0; j < VW; j++) {
-                const int64_t kj = (j0 + j1 + (j < nj ? j : 0)) * ks;
+                const int64_t slot = j0 + j1 + (j < nj ? j : 0), kj = slot * ks;
                 for (int h = 0; h < NH; h++) {
                     advance(&pf, 1);
                     vf kv[MAX_CHUNKS];
                     for (int c = 0; c < C; c++) kv[c] = load_kv(k, kj + h * hs + c * VW, BF);
+                    if (BF == 3) /* int8: dequantized in registers, the pool never copied */
+                        for (int c = 0; c < C; c++) kv[c] *= ksc[slot * sks + h];
                     for (int g = 0; g < G; g++) {
                         const int r = h * G + g;
                         vf a = qs[r][0] * kv[0];
@@ -251,6 +284,8 @@ static inline __attribute__((always_inline)) void attend(
                 advance(&pf, 1);
                 vf vv[MAX_CHUNKS];
                 for (int c = 0; c < C; c++) vv[c] = load_kv(v, vj + h * hs + c * VW, BF);
+                if (BF == 3)
+                    for (int c = 0; c < C; c++) vv[c] *= vsc[(j0 + j) * sks + h];
                 for (int g = 0; g < G; g++) {
                     const int r = h * G + g;
                     for (int c = 0; c < C; c++) acc[r][c] += p[r][j] * vv[c];
@@ -270,7 +305,7 @@ static inline __attribute__((always_inline)) void attend(
  * registers; for SmolLM2-135M's 3 heads a task, 0.85x the hot time). */
 #define SHAPE_HEADS(GG, CC, NHH, BF)                                                       \
     if (G == GG && C == CC && (NHH == 0 || nh == NHH)) {                                   \
-        attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs,               \
+        attend(qt, kt, vt, kst, vst, D, Hkv * D, first + runs, count + runs, num_runs,     \
                NHH ? NHH : nh, GG, CC, BF, scale, cap, ot, lse + (b * Hkv + h0) * G,       \
                next_slot, next_count);                                                     \
         continue;                                                                          \
@@ -280,8 +315,8 @@ static inline __attribute__((always_inline)) void attend(
     SHAPE_HEADS(3, 4, 3, BF) SHAPE(1, 4, BF) SHAPE(2, 4, BF) SHAPE(3, 4, BF)               \
     SHAPE(4, 4, BF) SHAPE(1, 8, BF) SHAPE(2, 8, BF) SHAPE(4, 8, BF) SHAPE(7, 4, BF)        \
     SHAPE(7, 8, BF) SHAPE(8, 8, BF)                                                        \
-    attend(qt, kt, vt, D, Hkv * D, first + runs, count + runs, num_runs, nh, G, C, BF,     \
-           scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
+    attend(qt, kt, vt, kst, vst, D, Hkv * D, first + runs, count + runs, num_runs, nh, G,  \
+           C, BF, scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
 
 typedef struct { int64_t cost, b, h0, nh; } Task;
 #define ATTENTION_SPLIT (1 << 19) /* keys x query heads x head_dim: about 30 us of work */
@@ -292,7 +327,8 @@ static int costlier_first(const void *x, const void *y) {
 }
 
 static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_type, const int64_t *run_indptr, const int64_t *first,
+                           int kv_type, const float *k_scale, const float *v_scale,
+                           const int64_t *run_indptr, const int64_t *first,
                            const int64_t *count, int B, int Hkv, int G, int D, float scale,
                            float cap, float *out, float *lse, int threads);
 
@@ -301,20 +337,24 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
  * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
  * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
  * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
- * when cap > 0; `threads` OpenMP threads; pools fp32, bf16 or fp16 by kv_type (0, 1, 2).
+ * when cap > 0; `threads` OpenMP threads; pools fp32, bf16, fp16 or int8 by kv_type (0, 1,
+ * 2, 3), an int8 pool's scales in k_scale, v_scale (num_slots, Hkv; NULL for the others).
  * Returns 0, or -1 for shapes it does not take (D not a multiple of 16 or over 256, G over 8),
  * -2 when out of memory. */
 int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                         const int64_t *run_indptr, const int64_t *first, const int64_t *count,
                         int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                        float *lse, int threads, int kv_type) {
+                        float *lse, int threads, int kv_type, const float *k_scale,
+                        const float *v_scale) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
-    return attention_tasks(q, q_stride, k, v, kv_type, run_indptr, first, count, B, Hkv, G, D,
-                           scale, cap, out, lse, threads);
+    if (kv_type == 3 && !(k_scale && v_scale)) return -1;
+    return attention_tasks(q, q_stride, k, v, kv_type, k_scale, v_scale, run_indptr, first,
+                           count, B, Hkv, G, D, scale, cap, out, lse, threads);
 }
 
 static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_type, const int64_t *run_indptr, const int64_t *first,
+                           int kv_type, const float *k_scale, const float *v_scale,
+                           const int64_t *run_indptr, const int64_t *first,
                            const int64_t *count, int B, int Hkv, int G, int D, float scale,
                            float cap, float *out, float *lse, int threads) {
     const int C = D / VW;
@@ -359,10 +399,13 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
                 next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
         }
         const float *qt = q + b * q_stride + h0 * G * D;
-        const int64_t es = kv_type ? 2 : 4; /* the pools' element size */
+        const int64_t es = KV_BYTES(kv_type); /* the pools' element size */
         const char *kt = (const char *)k + h0 * D * es, *vt = (const char *)v + h0 * D * es;
+        const float *kst = k_scale ? k_scale + h0 : NULL, *vst = v_scale ? v_scale + h0 : NULL;
         float *ot = out + (b * Hkv + h0) * G * D;
-        if (kv_type == 2) {
+        if (kv_type == 3) {
+            SHAPES(3)
+        } else if (kv_type == 2) {
             SHAPES(2)
         } else if (kv_type) {
             SHAPES(1)
@@ -453,11 +496,19 @@ static inline void rope_row(const float *x, float *out, const float *c, const fl
 }
 
 /* One row's keys and values (`width` floats each) into slot `slot` of the pools (fp32, or
- * half precision by kv_type: rounded to nearest even); returns 1 (nothing stored) when the
- * slot is outside [0, num_slots). */
-static inline int64_t store_row(void *k_pool, void *v_pool, int64_t num_slots, int64_t slot,
-                                const float *k, const float *v, int64_t width, int kv_type) {
+ * half precision by kv_type: rounded to nearest even, or int8 with one scale per head of D
+ * floats into k_scale, v_scale); returns 1 (nothing stored) when the slot is outside
+ * [0, num_slots). */
+static inline int64_t store_row(void *k_pool, void *v_pool, float *k_scale, float *v_scale,
+                                int64_t num_slots, int64_t slot, const float *k, const float *v,
+                                int64_t width, int64_t D, int kv_type) {
     if (slot < 0 || slot >= num_slots) return 1;
+    if (kv_type == 3) {
+        const int64_t heads = width / D;
+        quantize_int8((int8_t *)k_pool + slot * width, k_scale + slot * heads, k, heads, D);
+        quantize_int8((int8_t *)v_pool + slot * width, v_scale + slot * heads, v, heads, D);
+        return 0;
+    }
     if (!kv_type) {
         memcpy((float *)k_pool + slot * width, k, width * sizeof(float));
         memcpy((float *)v_pool + slot * width, v, width * sizeof(float));
@@ -478,13 +529,15 @@ static inline int64_t store_row(void *k_pool, void *v_pool, int64_t num_slots, i
  * cos/sin (T, rotary) whose halves repeat (the rotate-half layout), the rest are copied.
  * With k_pool (not NULL), row t's last kv_heads heads of out (its keys, rotated) and its
  * values (v: rows v_stride floats apart, kv_heads * D floats) are also stored at slot
- * slots[t] of k_pool and v_pool (num_slots rows each; fp32, bf16 or fp16 by kv_type), as rf_store_kv
- * does: one pass where rope and the store were two calls. Returns the number of rows whose
- * slot was out of range (those are not stored). */
+ * slots[t] of k_pool and v_pool (num_slots rows each; fp32, bf16, fp16 or int8 by kv_type, an
+ * int8 pool's scales in k_scale, v_scale), as rf_store_kv does: one pass where rope and the
+ * store were two calls. Returns the number of rows whose slot was out of range (those are not
+ * stored). */
 int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, int64_t T,
                 int64_t heads, int64_t D, int64_t rotary, float *out, void *k_pool,
                 void *v_pool, int64_t num_slots, const int64_t *slots, int64_t kv_heads,
-                const float *v, int64_t v_stride, int threads, int kv_type) {
+                const float *v, int64_t v_stride, int threads, int kv_type, float *k_scale,
+                float *v_scale) {
     int64_t bad = 0, width = kv_heads * D;
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * heads * D >= 32768) \
     reduction(+ : bad)
@@ -492,8 +545,8 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
         float *row = out + t * heads * D;
         rope_row(x + t * x_stride, row, cos + t * rotary, sin + t * rotary, heads, D, rotary);
         if (k_pool)
-            bad += store_row(k_pool, v_pool, num_slots, slots[t], row + (heads - kv_heads) * D,
-                             v + t * v_stride, width, kv_type);
+            bad += store_row(k_pool, v_pool, k_scale, v_scale, num_slots, slots[t],
+                             row + (heads - kv_heads) * D, v + t * v_stride, width, D, kv_type);
     }
     return bad;
 }
@@ -503,7 +556,8 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
  * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
  * does; each row's keys and values are stored at slots[b] of the pools (num_slots, Hkv, D),
  * as rf_store_kv does; then the rotated queries attend as rf_decode_attention does (runs,
- * scale, cap, out, lse, kv_type the same). Returns 0; -1 for shapes the attention does not
+ * scale, cap, out, lse, kv_type, k_scale, v_scale the same). Returns 0; -1 for shapes the
+ * attention does not
  * take (nothing is touched then); -2 out of memory; else the number of rows whose slot was
  * out of range (nothing is attended then). */
 int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *cos,
@@ -511,8 +565,10 @@ int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *co
                                  int64_t num_slots, const int64_t *slots,
                                  const int64_t *run_indptr, const int64_t *first,
                                  const int64_t *count, int B, int Hkv, int G, int D, float scale,
-                                 float cap, float *out, float *lse, int threads, int kv_type) {
+                                 float cap, float *out, float *lse, int threads, int kv_type,
+                                 float *k_scale, float *v_scale) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
+    if (kv_type == 3 && !(k_scale && v_scale)) return -1;
     const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
     int64_t bad = 0;
 #pragma omp parallel for schedule(static) num_threads(threads) if (B * heads * D >= 32768) \
@@ -520,24 +576,24 @@ int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *co
     for (int64_t b = 0; b < B; b++) {
         float *row = qkv + b * qkv_stride;
         rope_row(row, row, cos + b * rotary, sin + b * rotary, heads, D, rotary);
-        bad += store_row(k_pool, v_pool, num_slots, slots[b], row + (heads - Hkv) * D,
-                         row + heads * D, width, kv_type);
+        bad += store_row(k_pool, v_pool, k_scale, v_scale, num_slots, slots[b],
+                         row + (heads - Hkv) * D, row + heads * D, width, D, kv_type);
     }
     if (bad) return bad;
-    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_type, run_indptr, first, count, B,
-                           Hkv, G, D, scale, cap, out, lse, threads);
+    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_type, k_scale, v_scale,
+                           run_indptr, first, count, B, Hkv, G, D, scale, cap, out, lse, threads);
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into
- * k and v pools of `num_slots` rows each (of kv_type); a slot out of range is skipped
- * and counted. */
+ * k and v pools of `num_slots` rows each (of kv_type; an int8 pool's scales, one per head of
+ * D floats, in k_scale, v_scale); a slot out of range is skipped and counted. */
 int64_t rf_store_kv(void *k_pool, void *v_pool, int64_t num_slots, const int64_t *slots,
                     const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t n,
-                    int64_t width, int kv_type) {
+                    int64_t width, int kv_type, float *k_scale, float *v_scale, int64_t D) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++)
-        bad += store_row(k_pool, v_pool, num_slots, slots[i], k + i * k_stride, v + i * v_stride,
-                         width, kv_type);
+        bad += store_row(k_pool, v_pool, k_scale, v_scale, num_slots, slots[i], k + i * k_stride,
+                         v + i * v_stride, width, D, kv_type);
     return bad;
 }
 

@@ -18,7 +18,9 @@ ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
   libgomp gets a single-threaded build.
 - Every wrapper takes fp32 CPU tensors whose innermost dims are contiguous, and returns
   None (the caller's cue to use torch) for anything else; KV pools may also be bf16
-  or fp16 (--kv-cache-dtype): loaded widened to fp32, stored rounded to nearest even.
+  or fp16 (--kv-cache-dtype): loaded widened to fp32, stored rounded to nearest even; or
+  int8 with per-(slot, head) scales (`kernels/kv_int8.py`'s Int8KV): stored quantized,
+  loaded as int8 * scale.
 - A decode-only step's rope, KV store and attention are one call
   (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
   Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
@@ -39,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from radixflow.kernels.kv_int8 import Int8KV
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
@@ -46,15 +50,19 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name: (restype, argtypes)
     "rf_decode_attention": (
         _C,
-        [_P, _I, _P, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C],
+        [_P, _I, _P, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C, _P, _P],
     ),
     "rf_rms_norm": (None, [_P, _I, _P, _I, _P, _F, _I, _I, _P, _P, _C]),
     "rf_silu_mul": (None, [_P, _I, _I, _I, _P, _C]),
-    "rf_rope": (_I, [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C, _C]),
-    "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _C]),
+    "rf_rope": (
+        _I,
+        [_P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C, _C, _P, _P],
+    ),
+    "rf_store_kv": (_I, [_P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _C, _P, _P, _I]),
     "rf_rope_decode_attention": (
         _I,
-        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C],
+        [_P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _C, _C, _C, _C, _F, _F, _P, _P, _C, _C]
+        + [_P, _P],
     ),
     "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
 }
@@ -166,9 +174,21 @@ def _fits(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _pool_kind(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
+def _pool_kind(k_pool: torch.Tensor | Int8KV, v_pool: torch.Tensor | Int8KV) -> int | None:
     """The kernels' kv_type for a pair of contiguous CPU pools of one shape: 0 fp32, 1 bf16,
-    2 fp16; None for anything else."""
+    2 fp16, 3 int8 (an Int8KV pair, scales (num_slots, Hkv) fp32); None for anything else."""
+    if isinstance(k_pool, Int8KV) or isinstance(v_pool, Int8KV):
+        quantized = isinstance(k_pool, Int8KV) and isinstance(v_pool, Int8KV)
+        fits = quantized and all(
+            p.is_cpu
+            and p.is_contiguous()
+            and p.data.dtype == torch.int8
+            and p.scale.dtype == torch.float32
+            and p.scale.shape == p.shape[:-1]
+            and p.shape == k_pool.shape
+            for p in (k_pool, v_pool)
+        )
+        return 3 if fits else None
     if not (
         k_pool.is_cpu
         and k_pool.dtype == v_pool.dtype
@@ -180,16 +200,23 @@ def _pool_kind(k_pool: torch.Tensor, v_pool: torch.Tensor) -> int | None:
     return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}.get(k_pool.dtype)
 
 
+def _pointers(pool: torch.Tensor | Int8KV) -> tuple[int, int | None]:
+    """(data address, scales' address or None) of a pool the kernels take."""
+    if isinstance(pool, Int8KV):
+        return pool.data.data_ptr(), pool.scale.data_ptr()
+    return pool.data_ptr(), None
+
+
 def decode_attention(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: torch.Tensor | Int8KV,
+    v_pool: torch.Tensor | Int8KV,
     runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
     logit_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q (B, H, D) (rows any stride, heads contiguous) over pooled keys (num_slots, Hkv, D)
-    (fp32, bf16 or fp16),
+    (fp32, bf16, fp16, or an Int8KV: int8 with scales),
     request b reading the runs run_indptr[b] .. run_indptr[b + 1] - 1 of consecutive slots
     (first slot, count), `runs` = (run_indptr, first, count) -> out (B, H, D), lse (B, H);
     a request with no runs gets zeros and lse -inf. `logit_cap` > 0 soft-caps the scaled
@@ -211,10 +238,11 @@ def decode_attention(
     run_indptr, first, count = runs
     out = torch.empty((b, h, d))
     lse = torch.empty((b, h))
+    (k_data, k_scale), (v_data, v_scale) = _pointers(k_pool), _pointers(v_pool)
     status = lib.rf_decode_attention(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), run_indptr.data_ptr(),
+        q.data_ptr(), q.stride(0), k_data, v_data, run_indptr.data_ptr(),
         first.data_ptr(), count.data_ptr(), b, hkv, h // hkv, d, scale, logit_cap, out.data_ptr(),
-        lse.data_ptr(), torch.get_num_threads(), kind,
+        lse.data_ptr(), torch.get_num_threads(), kind, k_scale, v_scale,
     )  # fmt: skip
     return (out, lse) if status == 0 else None
 
@@ -224,8 +252,8 @@ def rope_decode_attention(
     num_heads: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: torch.Tensor | Int8KV,
+    v_pool: torch.Tensor | Int8KV,
     slots: torch.Tensor,
     runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
@@ -259,11 +287,13 @@ def rope_decode_attention(
     out = torch.empty((b, num_heads, d))
     lse = torch.empty((b, num_heads))
     run_indptr, first, count = runs
+    (k_data, k_scale), (v_data, v_scale) = _pointers(k_pool), _pointers(v_pool)
     status = lib.rf_rope_decode_attention(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.shape[-1],
-        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+        k_data, v_data, k_pool.shape[0], slots.data_ptr(),
         run_indptr.data_ptr(), first.data_ptr(), count.data_ptr(), b, hkv, num_heads // hkv, d,
         scale, logit_cap, out.data_ptr(), lse.data_ptr(), torch.get_num_threads(), kind,
+        k_scale, v_scale,
     )  # fmt: skip
     if status > 0:
         raise IndexError(f"{status} of {b} slots outside the pool of {k_pool.shape[0]}")
@@ -340,10 +370,11 @@ def rope(
         x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d, rotary,
         out.data_ptr(),
         *((None, None, 0, None, 0, None, 0) if store is None else (
-            k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+            _pointers(k_pool)[0], _pointers(v_pool)[0], k_pool.shape[0], slots.data_ptr(),
             k_pool.shape[1], v.data_ptr(), v.stride(0),
         )),
         torch.get_num_threads(), 0 if store is None else _pool_kind(k_pool, v_pool),
+        *((None, None) if store is None else (_pointers(k_pool)[1], _pointers(v_pool)[1])),
     )  # fmt: skip
     if bad:
         raise IndexError(f"{bad} of {t} slots outside the pool of {k_pool.shape[0]}")
@@ -351,9 +382,13 @@ def rope(
 
 
 def _store_fits(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
+    k_pool: torch.Tensor | Int8KV,
+    v_pool: torch.Tensor | Int8KV,
+    slots: torch.Tensor,
+    v: torch.Tensor,
 ) -> bool:
-    """Whether the native store takes these: fp32, bf16 or fp16 contiguous pools (num_slots, Hkv, D)
+    """Whether the native store takes these: fp32, bf16, fp16 or int8 (Int8KV) contiguous
+    pools (num_slots, Hkv, D)
     of one shape and dtype, int64 contiguous slots, one fp32 row of v per slot (rows any
     stride, heads contiguous)."""
     return (
@@ -368,8 +403,8 @@ def _store_fits(
 
 
 def store_kv(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: torch.Tensor | Int8KV,
+    v_pool: torch.Tensor | Int8KV,
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -386,10 +421,11 @@ def store_kv(
     ):
         return False
     width = k_pool.shape[1] * k_pool.shape[2]
+    (k_data, k_scale), (v_data, v_scale) = _pointers(k_pool), _pointers(v_pool)
     bad = lib.rf_store_kv(
-        k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], slots.data_ptr(),
+        k_data, v_data, k_pool.shape[0], slots.data_ptr(),
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), len(slots), width,
-        _pool_kind(k_pool, v_pool),
+        _pool_kind(k_pool, v_pool), k_scale, v_scale, k_pool.shape[2],
     )  # fmt: skip
     if bad:
         raise IndexError(f"{bad} of {len(slots)} slots outside the pool of {k_pool.shape[0]}")

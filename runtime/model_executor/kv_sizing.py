@@ -14,9 +14,11 @@ After the load `size_kv_pool` sizes it with the weights as they turned out.
 - `--mem-fraction-static F` (SGLang's flag): F of the memory free after the weights
   (SGLang applies F to the whole device, weights included), refused the same way.
 
-A token's KV costs 2 (K and V) x layers x KV heads x head dim x dtype bytes. The dtype:
-`--kv-cache-dtype auto` is fp16 for quantized weights and large fp32 models on CPU (as
-llama.cpp defaults to f16 KV; measured in docs/models.md), else the model's own.
+A token's KV costs 2 (K and V) x layers x KV heads x head dim x dtype bytes, and for an int8
+pool 2 x layers x KV heads x 4 more (a scale per token and head: kernels/kv_int8.py). The
+dtype: `--kv-cache-dtype auto` is fp16 for quantized weights and large fp32 models on CPU (as
+llama.cpp defaults to f16 KV; measured in docs/models.md), else the model's own; int8 is
+CPU only (the Triton attention reads no int8 pool: refused on CUDA at start).
 `RADIXFLOW_AVAILABLE_MEMORY` (bytes, or with a K/M/G suffix) replaces the reading of the
 available memory: to plan for a smaller machine, and for tests.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import psutil
 import torch
 
+from radixflow.kernels.kv_int8 import SCALE_BYTES
 from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
 from radixflow.runtime.models import quantized
 from radixflow.runtime.models.footprint import holds_quantized, weight_bytes_estimate
@@ -46,6 +49,7 @@ KV_DTYPES = {  # SGLang's spellings, and llama.cpp's f16 as fp16
     "float16": torch.float16,
     "fp32": torch.float32,
     "float32": torch.float32,
+    "int8": torch.int8,  # with a scale per token and KV head (kernels/kv_int8.py)
 }
 AUTO_HALF = torch.float16  # auto's pool for quantized / large fp32 models (docs/models.md)
 LARGE_MODEL_BYTES = 2 * GIB  # fp32 weights from this size get auto's half-precision pool
@@ -58,6 +62,10 @@ ENV_AVAILABLE = "RADIXFLOW_AVAILABLE_MEMORY"
 
 class MemoryBudgetError(ValueError):
     """The weights, the KV pool asked for and the reserve do not fit the memory."""
+
+
+class KVDtypeError(ValueError):
+    """A --kv-cache-dtype the device's attention cannot read."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,25 @@ def kv_pool_dtype(sizing: KVSizing) -> torch.dtype:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def token_bytes(model_config: Any, dtype: torch.dtype) -> int:
+    """A token's KV bytes in a pool of `dtype`, an int8 pool's scales included."""
+    c = model_config
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, dtype.itemsize)
+    if dtype == torch.int8:
+        per_token += 2 * c.num_layers * c.num_kv_heads * SCALE_BYTES
+    return per_token
+
+
+def check_kv_device(dtype: torch.dtype, device_type: str, backend: str = "") -> None:
+    """Raises KVDtypeError for an int8 pool off the CPU or under the Triton attention."""
+    if dtype == torch.int8 and (device_type != "cpu" or backend == "triton"):
+        where = "--attention-backend triton" if backend == "triton" else device_type
+        raise KVDtypeError(
+            f"--kv-cache-dtype int8 is read by the CPU kernels only: the Triton attention "
+            f"({where}) reads no int8 pool; use bf16 or fp16 there"
+        )
 
 
 def parse_bytes(text: str) -> int:
@@ -198,9 +225,10 @@ def choose_pool(
     config: ServerConfig, plan: MemoryPlan, model_config: Any, device_type: str = "cpu"
 ) -> KVSizing:
     """The pool for `config` under `plan` (see the module docstring). Raises
-    MemoryBudgetError."""
+    MemoryBudgetError, or KVDtypeError for an int8 pool off the CPU."""
     c = model_config
-    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, plan.kv_dtype.itemsize)
+    check_kv_device(plan.kv_dtype, device_type)
+    per_token = token_bytes(c, plan.kv_dtype)
     context = config.context_length or c.max_position
     page = config.page_size
     name = str(plan.kv_dtype).removeprefix("torch.")

@@ -17,9 +17,11 @@ from safetensors.torch import load_file
 
 from radixflow.kernels import AttentionOps, get_ops, quant
 from radixflow.kernels.cpu import decode_loop
+from radixflow.kernels.kv_int8 import Int8KV, copy_slots
 from radixflow.runtime import models
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
+from radixflow.runtime.model_executor.kv_sizing import check_kv_device
 from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
@@ -259,10 +261,11 @@ class ModelRunner:
         layers = c.num_layers if model.stores_kv else 0
         shape = (layers, num_slots, c.num_kv_heads, c.head_dim)
         # --kv-cache-dtype: a bf16 pool beside fp32 weights halves the KV memory; attention
-        # reads it upcast (the native CPU kernels convert as they load)
+        # reads it upcast (the native CPU kernels convert as they load); an int8 pool keeps
+        # its scales in a tensor of its own (kernels/kv_int8.py)
         self.kv_dtype = kv_dtype or self.dtype
-        self.k_caches = zeroed_cache(shape, self.kv_dtype, self.device)
-        self.v_caches = zeroed_cache(shape, self.kv_dtype, self.device)
+        check_kv_device(self.kv_dtype, self.device.type, getattr(model, "ops", model).name)
+        self.k_caches, self.v_caches = (self._pool(shape) for _ in "kv")
         # each layer's pool as a view, made once: indexing the stacked pool per layer and step
         # was 2 select ops a layer (60 a step for SmolLM2), each dispatched through torch
         self.k_layers, self.v_layers = self.k_caches.unbind(0), self.v_caches.unbind(0)
@@ -283,6 +286,15 @@ class ModelRunner:
                 max_kv_len or num_slots, shared_prefix, graph_backend,
             )  # fmt: skip
 
+    def _pool(self, shape: tuple[int, ...]) -> torch.Tensor | Int8KV:
+        """A zeroed pool (layers, num_slots, Hkv, D) of the runner's KV dtype."""
+        if self.kv_dtype != torch.int8:
+            return zeroed_cache(shape, self.kv_dtype, self.device)
+        return Int8KV(
+            zeroed_cache(shape, torch.int8, self.device),
+            zeroed_cache(shape[:-1], torch.float32, self.device),  # (layers, num_slots, Hkv)
+        )
+
     def forward(self, plan: BatchPlan) -> StepResult:
         if self.governor is None:
             return self._forward(plan)
@@ -295,8 +307,8 @@ class ModelRunner:
     def _forward(self, plan: BatchPlan) -> StepResult:
         if len(plan.copy_src):
             src, dst = upload_int64([plan.copy_src, plan.copy_dst], self.device)
-            self.k_caches[:, dst] = self.k_caches[:, src]
-            self.v_caches[:, dst] = self.v_caches[:, src]
+            copy_slots(self.k_caches, src, dst)  # an int8 pool's scales with its data
+            copy_slots(self.v_caches, src, dst)
         hidden = None
         with torch.inference_mode():
             logits = self.graphs.replay(plan) if self.graphs is not None else None

@@ -29,7 +29,9 @@ def test_the_flag_takes_sglangs_spellings_and_refuses_the_rest() -> None:
         config = config_from_args(parser.parse_args(["--kv-cache-dtype", name]))
         assert kv_cache_dtype(config.kv_cache_dtype, torch.float32) == torch.bfloat16
     assert kv_cache_dtype(ServerConfig().kv_cache_dtype, torch.float32) == torch.float32
-    for name in ("fp8_e4m3", "fp8", "int8"):
+    config = config_from_args(parser.parse_args(["--kv-cache-dtype", "int8"]))
+    assert kv_cache_dtype(config.kv_cache_dtype, torch.float32) == torch.int8
+    for name in ("fp8_e4m3", "fp8", "int4"):
         with pytest.raises(ValueError, match=f"kv_cache_dtype '{name}' is not supported"):
             ServerConfig(kv_cache_dtype=name)
 

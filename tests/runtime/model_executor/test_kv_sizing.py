@@ -4,6 +4,7 @@ available memory is injected (a MemoryPlan, or RADIXFLOW_AVAILABLE_MEMORY for wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -21,8 +22,10 @@ from radixflow.runtime.model_executor.kv_sizing import (
     AUTO_SHARE,
     ENV_AVAILABLE,
     GIB,
+    KVDtypeError,
     MemoryBudgetError,
     MemoryPlan,
+    check_kv_device,
     choose_pool,
     kv_bytes_per_token,
     kv_cache_dtype,
@@ -66,6 +69,27 @@ def test_default_pool_for_a_7b_takes_its_share_and_fits() -> None:
     assert 4096 <= sizing.num_tokens < DEFAULT_POOL_TOKENS
     assert p.weights + sizing.num_tokens * per_token + p.reserve <= p.available
     assert "auto: 50% of the" in sizing.source and "capped" not in sizing.source
+
+
+def test_int8_pool_holds_about_twice_bf16s_tokens_in_the_same_memory() -> None:
+    """The 7B's default pool on a 24 GiB machine: int8 (a byte a value plus a 4-byte scale per
+    token and KV head) holds 1.94x the tokens of bf16's pool in no more memory; refused off
+    the CPU, where the Triton attention reads no int8 pool."""
+    p = plan(22.5, 4.1, torch.int8)
+    bf16 = choose_pool(ServerConfig(), dataclasses.replace(p, kv_dtype=torch.bfloat16), LLAMA_7B)
+    int8 = choose_pool(ServerConfig(), p, LLAMA_7B)
+    assert int8.bytes_per_token == 2 * 32 * 32 * (128 + 4) == 270_336  # bf16: 524,288
+    assert int8.dtype == "int8" and bf16.bytes_per_token == 524_288
+    share = int(AUTO_SHARE["cpu"] * (p.available - p.weights - p.reserve))  # the same bytes
+    assert (int8.num_tokens, bf16.num_tokens) == (share // 270_336, share // 524_288)
+    assert 1.9 < int8.num_tokens / bf16.num_tokens < 2.0
+    assert kv_cache_dtype("int8", torch.float32) == torch.int8
+    with pytest.raises(KVDtypeError, match="int8 is read by the CPU kernels only"):
+        choose_pool(ServerConfig(), plan(22.5, 4.1, torch.int8), LLAMA_7B, "cuda")
+    with pytest.raises(KVDtypeError, match=r"Triton attention \(--attention-backend triton\)"):
+        check_kv_device(torch.int8, "cpu", "triton")  # the runner's check, --attention-backend
+    check_kv_device(torch.int8, "cpu", "torch")
+    check_kv_device(torch.bfloat16, "cuda", "triton")
 
 
 def test_small_machine_gets_one_full_context_when_it_fits_and_less_when_not() -> None:
