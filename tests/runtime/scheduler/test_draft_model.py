@@ -1,0 +1,253 @@
+"""Draft-model speculative decoding (runtime/scheduler/draft_model.py): outputs are exactly
+those without it.
+
+Three levels: the rejection sampler as a pure function against the target distribution
+(total variation and chi-square over many draws; a sampler whose residual is p instead of
+norm(max(p - q, 0)) fails the same check); the scheduler with the fake KV-checking runner as
+target and a second, noisy fake as draft (every config: chunked prefill, pages, preemption,
+no radix cache; the draft's own pool and tree leak nothing); SmolLM2 dequantized to fp32
+drafted by its own Q4_1 GGUF (greedy and constrained outputs equal the target alone, a draft
+with another tokenizer refused at start).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from family_models import one_thread, save_family
+from scipy.stats import chisquare
+from test_scheduler import CONFIGS, VOCAB, make_req, make_scheduler, run_all, workload
+from test_speculative import RepetitiveRunner
+
+from conftest import CHAT_PROMPTS, chat
+from radixflow.runtime import Engine
+from radixflow.runtime.cache.kv_pool import KVPool
+from radixflow.runtime.protocol.plan import BatchPlan, StepResult
+from radixflow.runtime.scheduler import draft_model
+from radixflow.runtime.scheduler.draft_model import (
+    DraftMismatchError,
+    DraftSpeculator,
+    best_draft_length,
+    rejection_sample,
+)
+
+DRAFT = {"speculative_algorithm": "draft", "speculative_draft_model_path": "smollm2"}
+
+# ---- the rejection sampler ----------------------------------------------------------------
+
+
+def residual_is_p(p, q, drafts, rng) -> list[int]:
+    """A broken sampler: after a rejection it draws from p instead of the residual."""
+    out = []
+    for j, x in enumerate(drafts):
+        if rng.random() * q[j, x] < p[j, x]:
+            out.append(int(x))
+            continue
+        return [*out, int(rng.choice(len(p[j]), p=p[j]))]
+    return [*out, int(rng.choice(len(p[-1]), p=p[-1]))]
+
+
+def emitted_frequencies(sampler, p, q, draws: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the first emitted token, and of the second where one follows an accepted
+    first draft; each draft is drawn from its q row."""
+    rng = np.random.default_rng(seed)
+    vocab = p.shape[1]
+    first, second = np.zeros(vocab), np.zeros(vocab)
+    for _ in range(draws):
+        drafts = [int(rng.choice(vocab, p=row)) for row in q]
+        out = sampler(p, q, drafts, rng)
+        assert 1 <= len(out) <= len(drafts) + 1
+        assert out[:-1] == drafts[: len(out) - 1]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
+def total_variation(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+def distributions(seed: int, vocab: int = 6, k: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """A target p (k + 1 rows) and a draft q (k rows) that disagree a lot."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(vocab, 0.7), size=k + 1)
+    q = rng.dirichlet(np.full(vocab, 0.7), size=k)
+    return p, q
+
+
+def test_rejection_sampler_emits_the_target_distribution() -> None:
+    """Whatever q proposes, each emitted token is distributed as p at its position: the
+    first as p[0], the one after an accepted draft as p[1] (chi-square and total variation
+    over 20,000 draws); the broken sampler (residual replaced by p) fails the same test."""
+    seed = 0
+    p, q = distributions(seed)
+    draws = 20_000
+    first, second = emitted_frequencies(rejection_sample, p, q, draws, seed)
+    assert total_variation(first, p[0]) < 0.015
+    assert chisquare(first, p[0] * first.sum()).pvalue > 1e-4
+    assert total_variation(second, p[1]) < 0.03
+    assert chisquare(second, p[1] * second.sum()).pvalue > 1e-4
+    broken, _ = emitted_frequencies(residual_is_p, p, q, draws, seed)
+    assert total_variation(broken, p[0]) > 0.03
+    assert chisquare(broken, p[0] * broken.sum()).pvalue < 1e-6
+
+
+def test_point_mass_draft_is_the_runtime_rule() -> None:
+    """The runtime's draft is the draft model's argmax, q = delta(x): keeping x with
+    probability p(x) and otherwise drawing from p without x, the verification rule (sample
+    from p, keep the draft if the sample is it) has the same distribution."""
+    p, _ = distributions(3, k=1)
+    x = 2
+    q = np.zeros((1, p.shape[1]))
+    q[0, x] = 1.0
+    rng = np.random.default_rng(5)
+    kept = sum(rejection_sample(p, q, [x], rng)[0] == x for _ in range(20_000))
+    assert abs(kept / 20_000 - p[0, x]) < 0.015
+    first, _ = emitted_frequencies(rejection_sample, p, q, 20_000, 6)
+    assert total_variation(first, p[0]) < 0.02
+
+
+def test_draft_length_follows_acceptance() -> None:
+    assert best_draft_length(0.1, 8, 1) == 0
+    assert 0 < best_draft_length(0.6, 8, 1) < best_draft_length(0.95, 8, 1)
+    assert best_draft_length(0.8, 8, 64) < best_draft_length(0.8, 8, 1)
+
+
+# ---- the scheduler with fake runners ------------------------------------------------------
+
+
+class NoisyDraft(RepetitiveRunner):
+    """The target's rule (RepetitiveRunner) on its own KV store, wrong one row in three."""
+
+    def forward(self, plan: BatchPlan) -> StepResult:
+        res = super().forward(plan)
+        ids = [
+            t if self.row_hashes[int(i)] % 3 else (t % (VOCAB - 1)) + 1
+            for i, t in zip(plan.sample_rows.tolist(), res.next_token_ids)
+        ]
+        return StepResult(ids, res.next_logprobs, res.target_logprobs)
+
+
+def run_fake(config: dict, speculate: bool) -> tuple[list[list[int]], object]:
+    sched, _ = make_scheduler(**config)
+    sched.runner = RepetitiveRunner()
+    if speculate:
+        cfg = sched.config.replace(**DRAFT, speculative_disable_by_batch_size=0)
+        pool = KVPool(1024, 1)
+        sched.spec = DraftSpeculator(cfg, (0,), NoisyDraft(), pool, VOCAB, 100_000)
+    reqs = []
+    for i, (prompt, n) in enumerate(workload(seed=1)):
+        reqs.append(make_req(f"r{i}", prompt, n, ignore_eos=True))
+        sched.add_request(reqs[-1])
+        if i % 6 == 5:
+            sched.step()  # arrivals during decoding
+    run_all(sched)  # self_check after every step
+    assert all(r.error is None for r in reqs)
+    return [r.output_ids for r in reqs], sched
+
+
+@pytest.fixture
+def free_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts cost nothing: every request drafts the most tokens at every batch size."""
+    monkeypatch.setattr(DraftSpeculator, "cost", lambda self: 0.0)
+    monkeypatch.setattr(draft_model, "ROW_COST", 0.0)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
+def test_fake_outputs_equal_with_a_draft_model(config: dict, free_drafts) -> None:
+    """Every KV read of both models is checked (FakeRunner); outputs equal those without
+    drafts; after the run the draft holds no KV outside its tree, and its tree is sound."""
+    plain, base = run_fake(config, False)
+    spec, sched = run_fake(config, True)
+    assert spec == plain
+    stats = sched.stats()
+    assert stats["spec_accepted"] > 0 and stats["spec_proposed"] > stats["spec_accepted"]
+    assert stats["forward_steps"] < base.stats()["forward_steps"]
+    draft = sched.spec
+    assert not draft.shadows
+    assert draft.pool.num_free_slots + draft.tree.total_size == draft.pool.capacity_pages
+    assert draft.tree.protected_size == 0
+    draft.tree.check()
+    if not config.get("disable_radix_cache"):
+        assert draft.tree.total_size > 0  # prompts shared through the draft's tree
+
+
+def test_fake_draft_shares_prompt_prefixes_through_its_tree(free_drafts) -> None:
+    """Two requests with one long prompt one after the other: the second's draft catch-up
+    computes only what the tree lacks."""
+    sched, _ = make_scheduler()
+    sched.runner = RepetitiveRunner()
+    cfg = sched.config.replace(**DRAFT, speculative_disable_by_batch_size=0)
+    sched.spec = DraftSpeculator(cfg, (0,), NoisyDraft(), KVPool(1024, 1), VOCAB, 100_000)
+    prompt = list(range(1, 41)) * 3
+    sched.add_request(make_req("a", prompt, 12, ignore_eos=True))
+    run_all(sched)
+    first = sched.spec.counters["draft_prefill_tokens"]
+    sched.add_request(make_req("b", prompt, 12, ignore_eos=True))
+    run_all(sched)
+    second = sched.spec.counters["draft_prefill_tokens"] - first
+    assert first >= len(prompt)
+    assert second < first - len(prompt) + 20
+
+
+# ---- SmolLM2: fp32 target, its Q4_1 GGUF as draft ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target():
+    with Engine(
+        model="smollm2", dequantize_weights=True, max_total_tokens=4096, self_check=True
+    ) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def drafted(target):
+    engine = target.with_config(**DRAFT, speculative_disable_by_batch_size=0)
+    yield engine
+    engine.shutdown()
+
+
+def test_greedy_chats_equal_the_target_alone(target, drafted) -> None:
+    """The test chats one by one and as one batch, greedy: the same tokens as the fp32
+    target alone; drafts were accepted, and meta_info reports them."""
+    prompts = [chat(p) for p in CHAT_PROMPTS[:4]]
+    params = {"max_new_tokens": 20, "temperature": 0}
+    expected = [o["output_ids"] for o in target.generate(prompts, params)]
+    alone = [drafted.generate(p, params) for p in prompts]
+    assert [o["output_ids"] for o in alone] == expected
+    batch = drafted.generate(prompts, params)
+    assert [o["output_ids"] for o in batch] == expected
+    stats = drafted.stats()
+    assert stats["spec_accepted"] > 20
+    meta = alone[0]["meta_info"]
+    assert meta["spec_verify_ct"] > 0
+    assert meta["spec_accept_length"] == pytest.approx(
+        (meta["spec_accepted_drafts"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"]
+    )
+    drafted.check_idle()
+
+
+def test_constrained_output_equals_the_target_alone(target, drafted) -> None:
+    """A JSON-schema request: the draft proposes under a copy of the grammar."""
+    schema = (
+        '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, '
+        '"age": {"type": "integer"}}, "required": ["name", "age"]}'
+    )
+    prompt = chat("Give a person as JSON.")
+    params = {"max_new_tokens": 24, "temperature": 0, "json_schema": schema}
+    before = drafted.stats()["spec_accepted"]
+    assert (
+        drafted.generate(prompt, params)["output_ids"]
+        == target.generate(prompt, params)["output_ids"]
+    )
+    assert drafted.stats()["spec_accepted"] > before
+    drafted.check_idle()
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(target, tmp_path) -> None:
+    with one_thread():
+        tiny, _ = save_family("llama", tmp_path)
+    with pytest.raises(DraftMismatchError, match="tokenizer is not the target's"):
+        target.with_config(speculative_algorithm="draft", speculative_draft_model_path=str(tiny))
