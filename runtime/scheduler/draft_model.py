@@ -375,7 +375,9 @@ class DraftSpeculator(Speculator):
             shadow = self.shadows[req.rid] = Req(req.rid, [], GREEDY)
             self.owners[req.rid] = req
         ids = req.fill_ids
-        same = _common_prefix(shadow.input_ids[: shadow.kv_len], ids)
+        # the last token's KV is computed by the catch-up that samples after it (the draft
+        # may hold it already: a draft cut for pages, then sampled by the target)
+        same = min(_common_prefix(shadow.input_ids[: shadow.kv_len], ids), len(ids) - 1)
         if same < shadow.prefix_len:  # the tree's part no longer matches: start afresh
             self.kv.release(shadow, keep_in_tree=False)
         elif same < shadow.kv_len:
