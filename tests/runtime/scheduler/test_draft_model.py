@@ -30,6 +30,7 @@ from radixflow.runtime.scheduler.draft_model import (
     best_draft_length,
     rejection_sample,
 )
+from radixflow.runtime.server.metrics import Metrics
 
 DRAFT = {"speculative_algorithm": "draft", "speculative_draft_model_path": "smollm2"}
 
@@ -204,6 +205,30 @@ def test_fake_outputs_equal_with_a_draft_model(config: dict, free_drafts) -> Non
         assert draft.tree.total_size > 0  # prompts shared through the draft's tree
 
 
+def test_fake_acceptance_in_meta_info_and_metrics(free_drafts) -> None:
+    """Per request: verify steps and kept drafts in meta_info, summing to the scheduler's
+    counters, which /metrics renders."""
+    sched, _ = make_scheduler()
+    sched.runner = RepetitiveRunner()
+    cfg = sched.config.replace(**DRAFT, speculative_disable_by_batch_size=0)
+    sched.spec = DraftSpeculator(cfg, (0,), NoisyDraft(), KVPool(1024, 1), VOCAB, 100_000)
+    reqs = [make_req(f"r{i}", p, 30, ignore_eos=True) for i, (p, _) in enumerate(workload(4, 4))]
+    for req in reqs:
+        sched.add_request(req)
+    run_all(sched)
+    metas = [r.meta_info() for r in reqs]
+    stats = sched.stats()
+    assert sum(m["spec_verify_ct"] for m in metas) == stats["spec_verify_steps"] > 0
+    assert sum(m["spec_accepted_drafts"] for m in metas) == stats["spec_accepted"] > 0
+    for m in metas:
+        steps = m["spec_verify_ct"]
+        assert m["spec_accept_length"] == (m["spec_accepted_drafts"] + steps) / steps
+    lines = Metrics(sched.stats).render().decode().splitlines()
+    assert f"radixflow:spec_accepted_tokens_total {stats['spec_accepted']}" in lines
+    assert f"radixflow:spec_verify_steps_total {stats['spec_verify_steps']}" in lines
+    assert f"radixflow:spec_accept_length {stats['spec_accept_length']}" in lines
+
+
 def test_fake_draft_shares_prompt_prefixes_through_its_tree(free_drafts) -> None:
     """Two requests with one long prompt one after the other: the second's draft catch-up
     computes only what the tree lacks."""
@@ -282,3 +307,32 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(target, tmp_path) ->
         tiny, _ = save_family("llama", tmp_path)
     with pytest.raises(DraftMismatchError, match="tokenizer is not the target's"):
         target.with_config(speculative_algorithm="draft", speculative_draft_model_path=str(tiny))
+
+
+@pytest.mark.slow
+def test_more_prompts_seeded_sampling_and_chunked_prefill_equal(target) -> None:
+    """Every test chat, a code prompt and a long one through 16-token prefill chunks (for the
+    target and the draft's catch-up), greedy and seeded sampling (a point-mass draft leaves a
+    seeded request's tokens as they are), with a stop string: the target alone's outputs."""
+    engine = target.with_config(**DRAFT, chunked_prefill_size=16)
+    long = chat("Summarise: " + " ".join(CHAT_PROMPTS * 3))
+    prompts = [chat(p) for p in CHAT_PROMPTS] + [
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+        long,
+    ]
+    cases = [
+        {"max_new_tokens": 40, "temperature": 0},
+        {"max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 11},
+        {"max_new_tokens": 24, "temperature": 0, "stop": ["."]},
+    ]
+    try:
+        for params in cases:
+            expected = [target.generate(p, params)["output_ids"] for p in prompts]
+            got = [engine.generate(p, params)["output_ids"] for p in prompts]
+            assert got == expected, params
+            batch = [o["output_ids"] for o in engine.generate(prompts, params)]
+            assert batch == expected, params
+        assert engine.stats()["spec_accepted"] > 100
+        engine.check_idle()
+    finally:
+        engine.shutdown()
