@@ -283,6 +283,8 @@ class DraftSpeculator(Speculator):
             extends.append(shadow)
             if req.grammar is not None:
                 self._follow_grammar(req, shadow)
+            else:  # unconstrained, or no longer (a triggered structure ended)
+                shadow.grammar = None
         if not extends:
             return {}
         tokens = self._forward(extends, [])
