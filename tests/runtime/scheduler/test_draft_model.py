@@ -205,6 +205,51 @@ def test_fake_outputs_equal_with_a_draft_model(config: dict, free_drafts) -> Non
         assert draft.tree.total_size > 0  # prompts shared through the draft's tree
 
 
+class FailingOnce(NoisyDraft):
+    """A draft whose third forward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, plan: BatchPlan) -> StepResult:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("draft broke")
+        return super().forward(plan)
+
+
+def test_fake_abort_and_a_failing_draft_step_leak_nothing(free_drafts) -> None:
+    """An aborted request's draft KV goes back; a draft forward that raises costs its step
+    the drafts (the draft KV of every request is dropped), never a request."""
+    sched, _ = make_scheduler()
+    sched.runner = RepetitiveRunner()
+    cfg = sched.config.replace(**DRAFT, speculative_disable_by_batch_size=0)
+    sched.spec = DraftSpeculator(cfg, (0,), FailingOnce(), KVPool(1024, 1), VOCAB, 100_000)
+    reqs = [make_req(f"r{i}", p, 40, ignore_eos=True) for i, (p, _) in enumerate(workload(5, 5))]
+    for req in reqs:
+        sched.add_request(req)
+    for _ in range(6):
+        sched.step()
+    assert "r1" in sched.spec.shadows
+    sched.abort("r1")
+    run_all(sched)
+    draft = sched.spec
+    assert draft.runner.calls > 3 and draft.counters["spec_accepted"] > 0
+    assert [r.error for r in reqs] == [None, "aborted", None, None, None]
+    plain, _ = make_scheduler()
+    plain.runner = RepetitiveRunner()
+    again = [make_req(f"r{i}", p, 40, ignore_eos=True) for i, (p, _) in enumerate(workload(5, 5))]
+    for req in again:
+        plain.add_request(req)
+    run_all(plain)
+    assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == [
+        r.output_ids for i, r in enumerate(again) if i != 1
+    ]
+    assert not draft.shadows and draft.tree.protected_size == 0
+    assert draft.pool.num_free_slots + draft.tree.total_size == draft.pool.capacity_pages
+
+
 def test_fake_acceptance_in_meta_info_and_metrics(free_drafts) -> None:
     """Per request: verify steps and kept drafts in meta_info, summing to the scheduler's
     counters, which /metrics renders."""
