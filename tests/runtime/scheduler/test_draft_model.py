@@ -381,3 +381,20 @@ def test_more_prompts_seeded_sampling_and_chunked_prefill_equal(target) -> None:
         engine.check_idle()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_integer_kernels_target_greedy_equal() -> None:
+    """The default SmolLM2 (its Q4_1 blocks on the integer kernels, int8 activations) drafted
+    by the same file: the same greedy tokens, every draft kept."""
+    prompts = [chat(p) for p in CHAT_PROMPTS[:3]]
+    params = {"max_new_tokens": 32, "temperature": 0}
+    with Engine(model="smollm2", max_total_tokens=4096) as plain:
+        expected = [plain.generate(p, params)["output_ids"] for p in prompts]
+        engine = plain.with_config(**DRAFT)
+        try:
+            assert [engine.generate(p, params)["output_ids"] for p in prompts] == expected
+            stats = engine.stats()
+            assert stats["spec_accepted"] > 0.9 * stats["spec_proposed"] > 0
+        finally:
+            engine.shutdown()
