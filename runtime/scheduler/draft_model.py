@@ -9,11 +9,15 @@ then the one or two tokens verification added), sampling the first draft, then k
 steps. The drafts are verified exactly as the n-gram drafts are (runtime/scheduler/
 speculative.py): as 1 + k extend rows in the target's normal step, row j sampled as the plain
 decode would after j drafts, drafts kept while the target's sample equals them, then the first
-sample that differs. The draft proposes its argmax, a point-mass proposal q = delta(x): for it
-the speculative-sampling rule (keep x with probability min(1, p(x)/q(x)) = p(x), else draw from
-norm(max(p - q, 0)) = p without x; `rejection_sample` is the general rule) is exactly "sample
-from p, keep x if the sample is x". So greedy output is token for token the target's, sampled
-output has the target's distribution, seeded requests sample as without speculation.
+sample that differs. For a greedy or seeded request (or one returning logprobs) the draft
+proposes its argmax, a point-mass proposal q = delta(x): for it the speculative-sampling rule
+(keep x with probability min(1, p(x)/q(x)) = p(x), else draw from norm(max(p - q, 0)) = p
+without x) is exactly "sample from p, keep x if the sample is x", so greedy output is token for
+token the target's and a seeded request samples what it would without drafts. Any other
+sampled request's drafts are drawn from the draft's own distribution q (the request's
+temperature, top-k, top-p, min-p), which comes back with them, and the verify rows return the
+target's p: `rejection_sample` (the general rule, the bonus token from p) decides, and its
+tokens are written over the verify rows' samples before the common acceptance runs.
 
 Grammars: a constrained request is drafted under its own grammar: the shadow holds a copy kept
 in step with the request's output (replayed from the start after a rejected draft), which
@@ -181,6 +185,8 @@ class DraftSpeculator(Speculator):
         self.decode_s: float | None = None  # decayed time of one draft decode forward
         self.step_s: float | None = None  # decayed time of a step without its drafting
         self.drafted_at: float | None = None  # when the last step's drafting ended
+        self.rng = np.random.default_rng(config.seed)  # rejection sampling's draws
+        self.q_rows: dict[str, list[np.ndarray]] = {}  # this step's q of sampled drafts
 
     # ---- choosing who drafts how much -------------------------------------------------------
 
@@ -204,6 +210,9 @@ class DraftSpeculator(Speculator):
             self._release(rid)  # finished elsewhere, preempted, jumping: its KV to the tree
         for req in running:
             req.draft_ids = []
+            if req.spec is not None:
+                req.spec.q = None
+        self.q_rows = {}
         if self.max_batch and len(running) > self.max_batch:
             self.counters["spec_batch_off_steps"] += 1
             for rid in list(self.shadows):
@@ -229,6 +238,8 @@ class DraftSpeculator(Speculator):
                 continue
             spare_pages -= _extra_pages(req.kv_len, len(drafts), page_size)
             req.draft_ids = drafts
+            if req.rid in self.q_rows:  # sampled from q: judged by rejection sampling
+                req.spec.q = np.stack(self.q_rows[req.rid][: len(drafts)])
             req.spec.kind = KIND
             req.spec.kv_before, req.spec.pages_before = req.kv_len, len(req.own_pages)
             if req.spec.masks is not None:
@@ -281,6 +292,9 @@ class DraftSpeculator(Speculator):
             budget -= need
             goal[shadow.rid] = k
             extends.append(shadow)
+            shadow.sampling = _draft_params(req)
+            if not shadow.sampling.greedy:
+                self.q_rows[req.rid] = []
             if req.grammar is not None:
                 self._follow_grammar(req, shadow)
             else:  # unconstrained, or no longer (a triggered structure ended)
@@ -350,11 +364,15 @@ class DraftSpeculator(Speculator):
 
     def _forward(self, extends: list[Req], decodes: list[Req]) -> dict[str, int]:
         plan, sampled = build_plan(extends, decodes, self.vocab_size, self.eos_token_ids)
+        stochastic = [i for i, s in enumerate(sampled) if s.rid in self.q_rows]
+        plan.prob_rows = np.asarray(stochastic, dtype=I64)
         start = time.perf_counter()
         result = self.runner.forward(plan)
         if not extends:
             self.decode_s = _decayed(self.decode_s, time.perf_counter() - start)
         self.counters["draft_forward_steps"] += 1
+        for row, i in enumerate(stochastic):
+            self.q_rows[sampled[i].rid].append(result.probs[row])
         return {s.rid: int(t) for s, t in zip(sampled, result.next_token_ids)}
 
     def _begin(self, shadow: Req) -> bool:
@@ -396,6 +414,23 @@ class DraftSpeculator(Speculator):
 
     # ---- after the target's step ------------------------------------------------------------
 
+    def accept(self, plan: Any, result: Any, first: int, append: Any, pool: KVPool) -> list[Req]:
+        """Drafts sampled from q are judged by `rejection_sample` against the verify rows'
+        p: the emitted tokens are written over the target's samples, so that the n-gram
+        path's rule (keep drafts while the sample equals them) then keeps exactly those."""
+        row, at = first, 0
+        for req in self.verifying:
+            n = 1 + len(req.draft_ids)
+            if req.spec.q is not None:
+                out = rejection_sample(
+                    result.probs[at : at + n], req.spec.q, req.draft_ids, self.rng
+                )
+                result.next_token_ids[row : row + len(out)] = out
+                at += n
+                req.spec.q = None
+            row += n
+        return super().accept(plan, result, first, append, pool)
+
     def observe_finished(self, req: Req) -> None:
         """A finished request's draft KV goes to the draft tree."""
         if req.rid in self.shadows:
@@ -418,6 +453,23 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         return 0
     diff = np.flatnonzero(np.asarray(a[:n], dtype=I64) != np.asarray(b[:n], dtype=I64))
     return int(diff[0]) if len(diff) else n
+
+
+def _draft_params(req: Req) -> SamplingParams:
+    """How the draft samples for `req`: its argmax (a point-mass q) for a greedy request, a
+    seeded one (whose tokens stay those without speculation) or one returning logprobs
+    (each emitted token's logprob is its sample row's); else from q, the draft's
+    distribution under the request's temperature, top-k, top-p and min-p."""
+    params = req.sampling
+    if params.greedy or params.seed is not None or req.return_logprob:
+        return GREEDY
+    return replace(
+        GREEDY,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+    )
 
 
 def draft_config(config: ServerConfig) -> ServerConfig:

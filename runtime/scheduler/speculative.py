@@ -159,6 +159,7 @@ class DraftState:
     masks: np.ndarray | None = None  # (1 + k, words) grammar masks of the verify rows
     kv_before: int = 0  # kv_len and own page count when the drafts took their slots
     pages_before: int = 0
+    q: Any = None  # (k, V) the distributions a draft model sampled the drafts from, or None
     verify_steps: int = 0  # this request's steps that verified drafts, and drafts it kept
     accepted: int = 0
 

@@ -15,8 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from family_models import one_thread, save_family
-from scipy.stats import chisquare
-from test_scheduler import CONFIGS, VOCAB, chain, make_req, make_scheduler, run_all, workload
+from scipy.stats import chi2_contingency, chisquare
+from test_scheduler import (
+    CONFIGS,
+    VOCAB,
+    FakeRunner,
+    chain,
+    make_req,
+    make_scheduler,
+    run_all,
+    workload,
+)
 from test_speculative import RepetitiveRunner
 
 from conftest import CHAT_PROMPTS, chat
@@ -272,6 +281,67 @@ def test_fake_acceptance_in_meta_info_and_metrics(free_drafts) -> None:
     assert f"radixflow:spec_accepted_tokens_total {stats['spec_accepted']}" in lines
     assert f"radixflow:spec_verify_steps_total {stats['spec_verify_steps']}" in lines
     assert f"radixflow:spec_accept_length {stats['spec_accept_length']}" in lines
+
+
+class DistRunner(FakeRunner):
+    """Each sample row draws from a distribution over tokens 1..5 that depends on the row's
+    sequence (its chain hash); `salt` makes the draft's q differ from the target's p. Rows
+    in `plan.prob_rows` return their distribution."""
+
+    def __init__(self, salt: int, seed: int) -> None:
+        super().__init__()
+        self.salt, self.rng = salt, np.random.default_rng(seed)
+
+    def dist(self, h: int) -> np.ndarray:
+        weights = np.zeros(VOCAB)
+        for t in range(1, 6):
+            weights[t] = 1 + ((h + self.salt) >> (3 * t)) % 9
+        return weights / weights.sum()
+
+    def forward(self, plan: BatchPlan) -> StepResult:
+        super().forward(plan)
+        dists = [self.dist(self.row_hashes[int(i)]) for i in plan.sample_rows]
+        ids = [int(self.rng.choice(VOCAB, p=d)) for d in dists]
+        probs = np.stack([dists[int(i)] for i in plan.prob_rows]) if len(plan.prob_rows) else None
+        return StepResult(ids, [0.0] * len(ids), np.zeros(len(plan.logit_rows)), probs=probs)
+
+
+def sampled_outputs(speculate: bool, sampler=None) -> np.ndarray:
+    """600 unseeded sampled requests on one prompt, 4 tokens each: their outputs."""
+    sched, _ = make_scheduler(max_total_tokens=16384)
+    sched.runner = DistRunner(0, seed=1 + speculate)
+    if speculate:
+        cfg = sched.config.replace(**DRAFT, speculative_disable_by_batch_size=0)
+        draft = DistRunner(12345, seed=3)
+        sched.spec = DraftSpeculator(cfg, (0,), draft, KVPool(16384, 1), VOCAB, 100_000)
+        if sampler is not None:
+            draft_model.rejection_sample = sampler
+    reqs = [make_req(f"r{i}", [7, 8, 9], 4, temperature=1.0, ignore_eos=True) for i in range(600)]
+    for req in reqs:
+        sched.add_request(req)
+    run_all(sched)
+    if speculate:
+        stats = sched.stats()
+        assert stats["spec_proposed"] > 600 and 0 < stats["spec_accepted"] < stats["spec_proposed"]
+    return np.array([r.output_ids for r in reqs])
+
+
+def test_fake_sampled_outputs_keep_their_distribution(free_drafts, monkeypatch) -> None:
+    """Drafts sampled from the draft's q and judged by rejection sampling: each output
+    position's token frequencies match those without speculation (chi-square on 600
+    requests); with the broken sampler (residual replaced by p) they do not."""
+    monkeypatch.setattr(draft_model, "rejection_sample", draft_model.rejection_sample)
+    plain = sampled_outputs(False)
+
+    def differs(spec: np.ndarray) -> float:
+        pvalues = []
+        for pos in range(1, 4):
+            table = [np.bincount(out[:, pos], minlength=6)[1:6] for out in (plain, spec)]
+            pvalues.append(chi2_contingency(np.array(table)).pvalue)
+        return min(pvalues)
+
+    assert differs(sampled_outputs(True)) > 1e-3
+    assert differs(sampled_outputs(True, residual_is_p)) < 1e-3
 
 
 def test_fake_draft_shares_prompt_prefixes_through_its_tree(free_drafts) -> None:
