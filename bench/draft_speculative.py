@@ -7,9 +7,11 @@
 Default pair: SmolLM2 dequantized to fp32 (`--dequantize-weights`) as target, drafted by
 SmolLM2's Q4_1 GGUF (the built-in model file). Every repeat builds a fresh pair of engines
 sharing the target's weights; prompt by prompt (one stream, greedy, EOS ignored, the same
-token count for both) the two take turns, which goes first alternating, so the machine's swings
-in speed fall on both alike. A row gives the medians over repeats of each side's tokens/s and of
-their ratio, and the draft's acceptance (drafts kept / proposed) and tokens per verify step.
+token count for both; `--temperature T` samples instead, unseeded: drafts from the draft's q
+judged by rejection sampling) the two take turns, which goes first alternating, so the
+machine's swings in speed fall on both alike. A row gives the medians over repeats of each
+side's tokens/s and of their ratio, and the draft's acceptance (drafts kept / proposed) and
+tokens per verify step.
 
 llama.cpp: llama-cpp-python (`--llama-python`, default /work/peers/llama/bin/python when it
 exists) exposes `Llama(draft_model=...)` taking a `LlamaDraftModel`, whose only shipped
@@ -55,8 +57,8 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def one_stream(engine: Engine, prompt: Any, new: int) -> tuple[int, float]:
-    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+def one_stream(engine: Engine, prompt: Any, new: int, temperature: float = 0) -> tuple[int, float]:
+    params = {"max_new_tokens": new, "temperature": temperature, "ignore_eos": True}
     start = time.perf_counter()
     key = "input_ids" if isinstance(prompt, list) else "prompt"
     out = engine.generate(**{key: prompt}, sampling_params=params)
@@ -81,7 +83,7 @@ def measure(target: Engine, draft: str, prompts: list[Any], new: int, args: Any)
         for i, prompt in enumerate(prompts):
             order = list(systems) if (rep + i) % 2 == 0 else list(systems)[::-1]
             for label in order:
-                tokens, wall = one_stream(systems[label], prompt, new)
+                tokens, wall = one_stream(systems[label], prompt, new, args.temperature)
                 got[label][0] += tokens
                 got[label][1] += wall
         stats = systems["on"].stats()
@@ -198,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--llama-python", default=LLAMA_PYTHON if Path(LLAMA_PYTHON).exists() else ""
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; else unseeded sampling"
     )
     parser.add_argument("--never-accepted", default="", help="a target GGUF: random-draft mode")
     parser.add_argument("--max-total-tokens", type=int, default=8192)
