@@ -2,7 +2,7 @@
 
     python -m radixflow.bench.draft_speculative                    # SmolLM2 fp32 <- its Q4_1
     python -m radixflow.bench.draft_speculative --prompts 1 --new-tokens 8 --repeats 1  # a check
-    python -m radixflow.bench.draft_speculative --never-accepted /work/big/llama-7b-random-q4_0.gguf
+    python -m radixflow.bench.draft_speculative --never-accepted PATH/TO/llama-7b-random-q4_0.gguf
 
 Default pair: SmolLM2 dequantized to fp32 (`--dequantize-weights`) as target, drafted by
 SmolLM2's Q4_1 GGUF (the built-in model file). Every repeat builds a fresh pair of engines
@@ -13,13 +13,13 @@ machine's swings in speed fall on both alike. A row gives the medians over repea
 side's tokens/s and of their ratio, and the draft's acceptance (drafts kept / proposed) and
 tokens per verify step.
 
-llama.cpp: llama-cpp-python (`--llama-python`, default /work/peers/llama/bin/python when it
-exists) exposes `Llama(draft_model=...)` taking a `LlamaDraftModel`, whose only shipped
-implementation is `LlamaPromptLookupDecoding` (n-grams); llama.cpp's own draft-model mode
-(`llama-speculative`, `llama-server -md`) is not exposed. The peer row wraps a second `Llama`
-(the draft GGUF, greedy) in a `LlamaDraftModel`, so llama.cpp verifies and drafts with its own
-kernels and Python drives the draft. Its target is the Q4_1 GGUF itself: llama.cpp reads no
-dequantized checkpoint.
+llama.cpp: llama-cpp-python (`--llama-python`, default $BENCH_LLAMA_CPP_PYTHON: a venv's python
+with llama-cpp-python, as for radixflow.bench.speculative) exposes `Llama(draft_model=...)`
+taking a `LlamaDraftModel`, whose only shipped implementation is `LlamaPromptLookupDecoding`
+(n-grams); llama.cpp's own draft-model mode (`llama-speculative`, `llama-server -md`) is not
+exposed. The peer row wraps a second `Llama` (the draft GGUF, greedy) in a `LlamaDraftModel`,
+so llama.cpp verifies and drafts with its own kernels and Python drives the draft. Its target
+is the Q4_1 GGUF itself: llama.cpp reads no dequantized checkpoint.
 
 `--never-accepted TARGET`: a random target (the 7B-shaped GGUFs) drafted by a tiny random model
 built with the target's own tokenizer, so drafts are (almost) never accepted: the on/off ratio
@@ -50,7 +50,6 @@ PROMPTS = [
     "Give advice to a new programmer.",
     "Describe a day at the beach.",
 ]
-LLAMA_PYTHON = "/work/peers/llama/bin/python"
 
 
 def chat(text: str) -> str:
@@ -198,9 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens"
     )
-    parser.add_argument(
-        "--llama-python", default=LLAMA_PYTHON if Path(LLAMA_PYTHON).exists() else ""
-    )
+    parser.add_argument("--llama-python", default=os.environ.get("BENCH_LLAMA_CPP_PYTHON", ""))
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; else unseeded sampling"
     )
