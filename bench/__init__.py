@@ -17,6 +17,7 @@ engine_features  decode vs transformers, load time, radix cache, chunked prefill
 server           tiny requests through the server's doors (ZeroMQ, HTTP, OpenAI) and the Engine
 router           data-parallel replicas behind sglang-router, routing policies side by side
 speculative      n-gram speculative decoding off vs on
+draft_speculative  draft-model speculative decoding off vs on (and llama-cpp-python's hook)
 kernels          the Triton attention kernels vs the torch reference and SDPA (CUDA)
 tp_step          decode step time of tensor parallelism, tp=1 against tp=N
 """

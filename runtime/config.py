@@ -14,7 +14,7 @@ from typing import Any
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SPECULATIVE = ("", "ngram")
+SPECULATIVE = ("", "ngram", "draft")
 GRAMMAR_BACKENDS = ("llguidance", "outlines")
 # SGLang's names (runtime/server/tool_calls.py, reasoning.py)
 TOOL_PARSERS = ("", "hermes", "qwen25", "qwen3", "llama3", "mistral", "pythonic", "generic")
@@ -215,7 +215,14 @@ class ServerConfig:
         False, "Triton decode: read KV runs shared by several requests per request (ablation)"
     )
     speculative_algorithm: str = _knob(
-        "", "'ngram': speculative decoding drafted from the radix tree and prompt lookup; '' = off"
+        "",
+        "'ngram': speculative decoding drafted from the radix tree and prompt lookup; 'draft': "
+        "drafted by a small model (--speculative-draft-model-path); '' = off",
+    )
+    speculative_draft_model_path: str = _knob(
+        "",
+        "with --speculative-algorithm draft: the draft model ('smollm2', a .gguf, a directory); "
+        "same tokenizer as the target; loaded as it is (never dequantized)",
     )
     speculative_num_draft_tokens: int = _knob(8, "most draft tokens verified per request a step")
     speculative_disable_by_batch_size: int = _knob(
@@ -286,6 +293,10 @@ class ServerConfig:
             (0 <= self.port < 65536, "port must be in [0, 65535]"),
             (0 <= self.mem_fraction_static < 1, "mem_fraction_static must be in [0, 1)"),
             (self.speculative_algorithm in SPECULATIVE, f"speculative_algorithm: {SPECULATIVE}"),
+            (
+                (self.speculative_algorithm == "draft") == bool(self.speculative_draft_model_path),
+                "--speculative-algorithm draft and --speculative-draft-model-path go together",
+            ),
             (
                 1 <= self.speculative_num_draft_tokens <= 31,
                 "speculative_num_draft_tokens must be in [1, 31]",

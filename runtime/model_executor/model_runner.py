@@ -340,9 +340,12 @@ class ModelRunner:
                 top_values, top_ids = values.cpu().numpy(), ids.cpu().numpy()
         next_ids: list[int] = []
         next_logprobs: list[float] = []
+        probs: list[torch.Tensor] = []
         if len(plan.sample_rows):
             every_row = np.array_equal(plan.sample_rows, np.arange(len(logits)))
             if not every_row:
                 logits = logits[upload_int64([plan.sample_rows], self.device)[0]]
-            next_ids, next_logprobs = sample(logits, plan, self.generator)
-        return StepResult(next_ids, next_logprobs, target_logprobs, top_values, top_ids)
+            next_ids, next_logprobs = sample(logits, plan, self.generator, probs)
+        result = StepResult(next_ids, next_logprobs, target_logprobs, top_values, top_ids)
+        result.probs = probs[0].cpu().numpy() if probs else None  # draft-model speculation
+        return result

@@ -85,9 +85,13 @@ def process_logits(logits: torch.Tensor, plan: BatchPlan) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, plan: BatchPlan, generator: torch.Generator
+    logits: torch.Tensor,
+    plan: BatchPlan,
+    generator: torch.Generator,
+    probs_out: list[torch.Tensor] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of (S, V) logits; return ids and their logprobs.
+    """Pick one token per row of (S, V) logits; return ids and their logprobs; append the
+    (P, V) distributions the rows of `plan.prob_rows` sample from to `probs_out`.
 
     Overwrites `logits`: the log-sum-exp runs in place instead of allocating an (S, V)
     temporary every step."""
@@ -100,6 +104,11 @@ def sample(
         probs = _filtered_probs(logits[rows], [plan.sampling[i] for i in sampled_rows])
         seeds = [plan.sample_seeds[i] for i in sampled_rows]
         _draw(chosen, rows, probs, seeds, generator)
+    if probs_out is not None and len(plan.prob_rows):
+        (wanted,) = upload_int64([plan.prob_rows], logits.device)
+        probs_out.append(
+            _filtered_probs(logits[wanted], [plan.sampling[i] for i in plan.prob_rows])
+        )
     if not plan.sampled_logprobs:  # the log-sum-exp is a pass over (S, V): skip it
         return chosen.tolist(), [float("nan")] * len(chosen)
     picked = logits.gather(1, chosen[:, None])[:, 0] if sampled_rows else top

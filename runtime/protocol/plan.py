@@ -44,6 +44,9 @@ class BatchPlan:
     copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))
     # extend rows whose final hidden state (after the final norm) embedding requests pool
     hidden_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # (H,)
+    # sample rows (non-greedy) whose processed distribution comes back: draft-model
+    # speculation's rejection sampling (runtime/scheduler/draft_model.py)
+    prob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # (P,)
 
     @property
     def num_tokens(self) -> int:
@@ -58,3 +61,4 @@ class StepResult:
     top_logprobs: np.ndarray | None = None  # (R, k) values
     top_ids: np.ndarray | None = None  # (R, k)
     hidden: np.ndarray | None = None  # (H, hidden_size) fp32: the plan's hidden_rows, normed
+    probs: np.ndarray | None = None  # (P, V) fp32: the distributions of the plan's prob_rows

@@ -110,6 +110,13 @@ def build_plan(
     rows = [(r, 0) for r in sample_reqs]
     rows += [(r, j) for r in verifies or [] for j in range(1 + len(r.draft_ids))]
     _fill_sampling(plan, rows, extends, vocab_size, eos_token_ids)
+    # verify rows of drafts sampled from a draft model's q: their p comes back (draft_model.py)
+    at, wanted = len(sample_reqs), []
+    for req in verifies or []:
+        if getattr(req.spec, "q", None) is not None:
+            wanted += range(at, at + 1 + len(req.draft_ids))
+        at += 1 + len(req.draft_ids)
+    plan.prob_rows = np.asarray(wanted, I64)
     return plan, sample_reqs
 
 

@@ -275,4 +275,5 @@ class Req:
             "itl_mean": float(itl.mean()) if itl.size else None,
             "itl_max": float(itl.max()) if itl.size else None,
             "e2e_latency": time.monotonic() - self.arrival,
+            **(self.spec.meta() if self.spec is not None else {}),  # speculative decoding
         }

@@ -58,6 +58,7 @@ class Scheduler:
         encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
         encoder: bool = False,  # an encoder model: embed requests only, each input whole
+        speculator: Speculator | None = None,  # a draft model's (runtime/scheduler/draft_model.py)
     ) -> None:
         self.config = config
         self.encoder = encoder
@@ -76,7 +77,7 @@ class Scheduler:
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
         self.kv = RequestKV(self.pool, self.tree, self.metrics)
-        self.spec = Speculator(config, eos_token_ids, encode)
+        self.spec = speculator or Speculator(config, eos_token_ids, encode)
         self.encode = encode
         self.jump = JumpForward(not config.disable_jump_forward)
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)

@@ -159,6 +159,18 @@ class DraftState:
     masks: np.ndarray | None = None  # (1 + k, words) grammar masks of the verify rows
     kv_before: int = 0  # kv_len and own page count when the drafts took their slots
     pages_before: int = 0
+    q: Any = None  # (k, V) the distributions a draft model sampled the drafts from, or None
+    verify_steps: int = 0  # this request's steps that verified drafts, and drafts it kept
+    accepted: int = 0
+
+    def meta(self) -> dict[str, float]:
+        """meta_info's speculation fields (SGLang's spec_verify_ct)."""
+        steps = self.verify_steps
+        return {
+            "spec_verify_ct": steps,
+            "spec_accepted_drafts": self.accepted,
+            "spec_accept_length": (self.accepted + steps) / steps if steps else 0.0,
+        }
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -388,6 +400,8 @@ class Speculator:
         c["spec_verify_steps"] += 1
         c["spec_proposed"] += proposed
         c["spec_accepted"] += kept
+        state.verify_steps += 1
+        state.accepted += kept
         kind = state.kind
         if kind is not None:
             state.rates.setdefault(kind, Rate(0.0, 0.0)).record(proposed, kept)

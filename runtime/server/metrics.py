@@ -103,6 +103,10 @@ class Metrics:
             "recomputed_tokens_total": stats.get("recomputed_tokens", 0),
             "jump_forward_tokens_total": stats.get("jump_forward_tokens", 0),
             "jump_forward_steps_saved_total": stats.get("jump_forward_steps_saved", 0),
+            # speculative decoding: verify steps, drafts proposed and drafts kept
+            "spec_verify_steps_total": stats.get("spec_verify_steps", 0),
+            "spec_proposed_tokens_total": stats.get("spec_proposed", 0),
+            "spec_accepted_tokens_total": stats.get("spec_accepted", 0),
         }
         for name, value in counters.items():
             lines += [f"# TYPE {p}{name} counter", f"{p}{name} {value}"]
@@ -112,6 +116,8 @@ class Metrics:
             "cache_hit_rate": stats.get("cache_hit_rate", 0.0),
             "kv_use": stats.get("kv_use", 0.0),
             "kv_waste_fraction": stats.get("kv_waste_fraction", 0.0),
+            # tokens a verify step yields (kept drafts + 1), since start (SGLang's name)
+            "spec_accept_length": stats.get("spec_accept_length", 0.0),
         }
         for name, value in gauges.items():
             lines += [f"# TYPE {p}{name} gauge", f"{p}{name} {value}"]
