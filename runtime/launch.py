@@ -27,6 +27,7 @@ from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
+from radixflow.runtime.hicache import build_tier
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
 from radixflow.runtime.model_executor.kv_sizing import (
     GIB,
@@ -157,6 +158,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
     eos = eos_token_ids(tokenizer, hf_config)
+    tiers = build_tier(config, model_dir, runner, pool, (0, config.tp_size))
     scheduler = Scheduler(
         config,
         runner,
@@ -170,6 +172,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         else _grammar_backend(config, tokenizer, model.config.vocab_size, eos),
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
         encoder=encoder,
+        tiers=tiers,
     )
     info = {
         "model": config.served_model_name or config.model_path,

@@ -58,6 +58,7 @@ class Scheduler:
         encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
         encoder: bool = False,  # an encoder model: embed requests only, each input whole
+        tiers: Any = None,  # a disk tier under the radix tree (runtime/cache/tiered.py)
     ) -> None:
         self.config = config
         self.encoder = encoder
@@ -68,14 +69,14 @@ class Scheduler:
         self.decode = decode
         self.grammars = grammars
         self.pool = pool
-        self.tree = RadixCache(self.pool, disabled=config.disable_radix_cache)
+        self.tree = tiers.tree if tiers else RadixCache(pool, disabled=config.disable_radix_cache)
         self.grammar_queue: list[Req] = []
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
-        self.kv = RequestKV(self.pool, self.tree, self.metrics)
+        self.kv = RequestKV(self.pool, self.tree, self.metrics, tiers)
         self.spec = Speculator(config, eos_token_ids, encode)
         self.encode = encode
         self.jump = JumpForward(not config.disable_jump_forward)
@@ -288,9 +289,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
                 self.admit_stop = "token_budget" if budget <= 0 else "running_cap"
                 break
-            prefix, node = self.tree.match_prefix(
-                np.asarray(req.fill_ids[: req.max_prefix_len], I64)
-            )
+            prefix, node = self.kv.match(req)  # loads what follows on disk, if any
             ids = np.asarray(req.fill_ids, dtype=I64)
             reuses = not (self.tree.disabled or req.whole_input or req.pooling in ("mean", "cls"))
             if reuses and shares_uncached(ids, len(prefix), in_step):
@@ -490,6 +489,7 @@ class Scheduler:
             **self.metrics.stats(self),
             **self.spec.stats(),
             **self.jump.stats(),
+            **(self.kv.tiers.stats() if self.kv.tiers else {}),
         }
 
     def check_invariants(self) -> None:
