@@ -100,7 +100,9 @@ def test_restart_serves_from_disk(make_engine, tmp_path: Path, reference) -> Non
     assert stats["hicache_blocks_read"] == 4 and stats["hicache_bytes_read"] > 0
 
 
-@pytest.mark.parametrize("damage", ["flipped_byte", "truncated"])
+@pytest.mark.parametrize(
+    "damage", ["flipped_byte", pytest.param("truncated", marks=pytest.mark.slow)]
+)  # truncation is also covered without the model: test_disk_store.py
 def test_damaged_block_is_recomputed(make_engine, tmp_path: Path, reference, damage) -> None:
     store_prompt(make_engine, tmp_path, hicache_write_policy="write_back")
     victim = [p for p in block_files(tmp_path) if p.name != "FINGERPRINT.json"][2]
