@@ -41,6 +41,7 @@ VERSION = 1
 # magic, version, fingerprint, key, num_tokens, payload bytes, CRC-32 of tokens + payload
 HEADER = struct.Struct("<8sI16s16sIQI")
 MAX_PENDING_BYTES = 1 << 30  # queued writes past this are dropped (recomputed if needed)
+MAX_READY_BYTES = 1 << 29  # prefetched blocks kept in memory until their request is admitted
 
 
 class DiskStore:
@@ -64,13 +65,19 @@ class DiskStore:
         self.disk_bytes = 0
         self.counters = dict.fromkeys(
             ("blocks_written", "bytes_written", "blocks_read", "bytes_read", "blocks_bad",
-             "writes_dropped", "blocks_deleted"),
+             "writes_dropped", "blocks_deleted", "blocks_prefetched"),
             0,
         )  # fmt: skip
         self._scan()
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True)
         self._writer.start()
+        self._ready: collections.OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = (
+            collections.OrderedDict()
+        )  # prefetched and checked, oldest first
+        self._reads: queue.Queue[tuple[bytes, np.ndarray] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="hicache-reader", daemon=True)
+        self._reader.start()
 
     # ---- the caller's side -----------------------------------------------------------------
 
@@ -99,9 +106,22 @@ class DiskStore:
         whose stored tokens differ from `tokens` is never returned."""
         tokens = np.asarray(tokens, dtype=np.int64)
         with self._lock:
+            ready = self._ready.pop(key, None)
             pending = self._pending.get(key)
-        if pending is not None:
-            return pending[1] if np.array_equal(pending[0], tokens) else None
+        for found in (ready, pending):
+            if found is not None:
+                return found[1] if np.array_equal(found[0], tokens) else None
+        return self._load(key, tokens)
+
+    def prefetch(self, key: bytes, tokens: np.ndarray) -> None:
+        """Read and check `key`'s file in the background, so that a `get` soon after finds
+        it in memory (a waiting request's blocks, read while it waits)."""
+        with self._lock:
+            if key in self._pending or key in self._ready:
+                return
+        self._reads.put((key, np.asarray(tokens, dtype=np.int64)))
+
+    def _load(self, key: bytes, tokens: np.ndarray) -> np.ndarray | None:
         path = self._path(key)
         try:
             raw = bytearray(path.read_bytes())
@@ -109,12 +129,12 @@ class DiskStore:
             return None
         payload = self._check(raw, key, tokens)
         if payload is None:
-            self.counters["blocks_bad"] += 1
+            self._count("blocks_bad")
             log.warning("hicache: dropping bad block %s (it is recomputed)", path.name)
             self._delete(key)
             return None
-        self.counters["blocks_read"] += 1
-        self.counters["bytes_read"] += len(raw)
+        self._count("blocks_read")
+        self._count("bytes_read", len(raw))
         with self._lock:
             if key in self._lru:
                 self._lru.move_to_end(key)
@@ -124,6 +144,10 @@ class DiskStore:
             pass  # another process deleted it meanwhile: we hold its bytes already
         return payload
 
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += amount
+
     def flush(self) -> None:
         """Block until every queued write is on disk (or failed)."""
         self._queue.join()
@@ -131,7 +155,9 @@ class DiskStore:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
+        self._reads.put(None)
         self._writer.join()
+        self._reader.join()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -170,7 +196,19 @@ class DiskStore:
         name = key.hex()
         return self.dir / name[:2] / f"{name}.kv"
 
-    # ---- the writer thread -----------------------------------------------------------------
+    # ---- the background threads ------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while (item := self._reads.get()) is not None:
+            key, tokens = item
+            payload = self._load(key, tokens)
+            if payload is None:
+                continue
+            with self._lock:
+                self._ready[key] = (tokens, payload)
+                self.counters["blocks_prefetched"] += 1
+                while sum(p.nbytes for _, p in self._ready.values()) > MAX_READY_BYTES:
+                    self._ready.popitem(last=False)  # never fetched: read again if asked
 
     def _write_loop(self) -> None:
         while True:
@@ -192,10 +230,10 @@ class DiskStore:
                 path.parent.mkdir(mode=0o700, exist_ok=True)
                 _atomic_write(path, data)
                 self._account(key, len(data))
-                self.counters["blocks_written"] += 1
-                self.counters["bytes_written"] += len(data)
+                self._count("blocks_written")
+                self._count("bytes_written", len(data))
         except OSError as e:  # a full or read-only disk: the block is recomputed if needed
-            self.counters["writes_dropped"] += 1
+            self._count("writes_dropped")
             log.warning("hicache: writing %s failed: %s", path.name, e)
         finally:
             with self._lock:

@@ -10,6 +10,8 @@ until the first block that is not there.
   soon as its KV is computed. Either way the block's KV is copied out of the pool at once
   (`KVPages.read`, before the page can be reused) and the file is written by the store's
   background thread.
+- Prefetch: a request that starts waiting has the blocks past its pool match read and
+  checked by the store's reader thread, so its admission mostly copies from memory.
 - Load: `load` extends a pool match with the blocks that follow it on disk: fresh pool pages
   (evicting as usual), KV copied in (`KVPages.write`), inserted into the tree; the caller
   then matches again and sees them as an ordinary cached prefix.
@@ -26,7 +28,7 @@ import numpy as np
 
 from radixflow.runtime.cache.disk_store import DiskStore
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.cache.radix_cache import Node, RadixCache
+from radixflow.runtime.cache.radix_cache import Node, RadixCache, common_prefix_len
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -60,6 +62,19 @@ def path_of(node: Node) -> tuple[np.ndarray, np.ndarray]:
     if not keys:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.concatenate(keys[::-1]), np.concatenate(values[::-1])
+
+
+def resident_len(tree: RadixCache, key: np.ndarray) -> int:
+    """How much of `key` the tree holds (match_prefix without its split and LRU touch)."""
+    node, matched = tree.root, 0
+    while matched < len(key) and int(key[matched]) in node.children:
+        child = node.children[int(key[matched])]
+        n = common_prefix_len(child.key, key[matched:])
+        matched += n
+        if n < len(child.key):
+            break
+        node = child
+    return matched
 
 
 class DiskTier:
@@ -118,6 +133,15 @@ class DiskTier:
         self.counters["loads"] += 1
         self.counters["load_seconds"] += time.perf_counter() - start
         return end - matched
+
+    def prefetch(self, key: np.ndarray) -> None:
+        """Start reading the blocks of `key` past its pool match (a request that waits)."""
+        block = self.block_tokens
+        keys = chain_keys(self.store.fingerprint, key, block)
+        for i in range(resident_len(self.tree, key) // block, len(keys)):
+            if not self.store.contains(keys[i]):
+                break
+            self.store.prefetch(keys[i], key[i * block : (i + 1) * block])
 
     def computed(self, key: np.ndarray, slots: np.ndarray, known: int) -> None:
         """Positions `known`..len(key) of `key` were just computed into `slots` (the tree's):

@@ -42,6 +42,11 @@ class RequestKV:
             req.cached_tokens_disk += loaded
         return self.tree.match_prefix(key)
 
+    def prefetch(self, req: Req) -> None:
+        """A request starts waiting: the disk tier reads its blocks meanwhile."""
+        if self.tiers is not None and not self.tree.disabled:
+            self.tiers.prefetch(np.asarray(req.fill_ids[: req.max_prefix_len], dtype=I64))
+
     def _take_pages(self, count: int) -> list[int] | None:
         short = count - self.pool.num_free_pages
         if short > 0:

@@ -119,6 +119,7 @@ class Scheduler:
         else:
             req.state = ReqState.WAITING
             self.waiting.append(req)
+            self.kv.prefetch(req)  # blocks on disk are read while it waits
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         """Finish `rid` wherever it is (idempotent; unknown rids return None)."""

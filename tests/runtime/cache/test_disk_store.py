@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -203,4 +204,31 @@ def test_tier_load_stops_at_a_bad_block(tmp_path: Path) -> None:
     prefix, node = fresh.tree.match_prefix(tokens)
     assert fresh.load(tokens, prefix, node, fresh.pool.alloc_pages) == 4  # block 0 only
     assert not second.exists()
+    fresh.store.close()
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_prefetch_reads_the_blocks_past_the_pool_match(tmp_path: Path) -> None:
+    """A waiting request's blocks are read in the background: its admission gets them from
+    memory (here: even once their files are gone)."""
+    tier, pages = make_tier(tmp_path, "write_through")
+    tokens = np.arange(3, 3 + 12)  # 3 blocks of 4
+    compute(tier, pages, tokens)
+    tier.store.close()
+    fresh, fresh_pages = make_tier(tmp_path, "write_through")
+    compute(fresh, fresh_pages, tokens[:5])  # block 0 and a token of block 1 in the pool
+    fresh.prefetch(tokens)
+    wait_for(lambda: fresh.store.stats()["blocks_prefetched"] == 2)  # blocks 1 and 2 only
+    for path in fresh.store.dir.rglob("*.kv"):
+        path.unlink()
+    prefix, node = fresh.tree.match_prefix(tokens)
+    assert fresh.load(tokens, prefix, node, fresh.pool.alloc_pages) == 12 - 5
+    slots, _ = fresh.tree.match_prefix(tokens)
+    assert np.array_equal(fresh_pages.data[slots], rows_for(tokens))
     fresh.store.close()
