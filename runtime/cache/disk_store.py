@@ -271,6 +271,8 @@ class DiskStore:
         writers removed."""
         found = []
         for sub in self.dir.iterdir():
+            if sub.name.endswith(".tmp"):  # FINGERPRINT.json's
+                _remove_stray(sub)
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
