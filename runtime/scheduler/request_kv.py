@@ -10,6 +10,7 @@ import numpy as np
 
 from radixflow.runtime.cache.kv_pool import KVPool, run_hint
 from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.protocol.plan import I64
 from radixflow.runtime.scheduler.request import Req
 from radixflow.runtime.scheduler.stats import SchedulerStats
@@ -23,10 +24,10 @@ class RequestKV:
     """Slots for requests, from `pool` (evicting from `tree` when short) and the tree."""
 
     def __init__(
-        self, pool: KVPool, tree: RadixCache, metrics: SchedulerStats, tiers: Any = None
+        self, pool: KVPool, tree: RadixCache, metrics: SchedulerStats, tiers: DiskTier | None = None
     ) -> None:
         self.pool, self.tree, self.metrics = pool, tree, metrics
-        self.tiers = tiers  # a DiskTier (runtime/cache/tiered.py) under the tree, or None
+        self.tiers = tiers  # the disk tier under the tree (runtime/cache/tiered.py), or None
 
     def match(self, req: Req) -> tuple[np.ndarray, Any]:
         """`req`'s longest cached prefix (slots, node): the pool's, extended by the blocks

@@ -18,6 +18,7 @@ import numpy as np
 
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
 from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
@@ -58,7 +59,7 @@ class Scheduler:
         encode: Callable[[str], list[int]] | None = None,  # text -> ids, for schema drafts
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
         encoder: bool = False,  # an encoder model: embed requests only, each input whole
-        tiers: Any = None,  # a disk tier under the radix tree (runtime/cache/tiered.py)
+        tiers: DiskTier | None = None,  # a disk tier under the tree (its own tree)
     ) -> None:
         self.config = config
         self.encoder = encoder
@@ -490,7 +491,6 @@ class Scheduler:
             **self.metrics.stats(self),
             **self.spec.stats(),
             **self.jump.stats(),
-            **(self.kv.tiers.stats() if self.kv.tiers else {}),
         }
 
     def check_invariants(self) -> None:
