@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.hicache import ENV_DIR, storage_dir
+
 PARAMS = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
@@ -123,3 +126,14 @@ def test_store_of_another_configuration_is_ignored(make_engine, tmp_path, refere
     out, meta, _ = serve_again(make_engine, tmp_path, page_size=2)
     assert out == reference and meta["cached_tokens_disk"] == 0
     assert len(list(tmp_path.iterdir())) == 2  # a namespace per fingerprint
+
+
+def test_storage_dir_and_config_checks(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "from-env"))  # SGLang's variable
+    assert storage_dir(ServerConfig()) == tmp_path / "from-env"
+    assert storage_dir(ServerConfig(hicache_storage_dir="/flag")) == Path("/flag")
+    for bad in ({"hicache_write_policy": "write_later"}, {"hicache_size": 0}):
+        with pytest.raises(ValueError, match="hicache"):
+            ServerConfig(**bad)
+    with pytest.raises(ValueError, match="tp-size"):
+        ServerConfig(enable_hierarchical_cache=True, tp_size=2)
