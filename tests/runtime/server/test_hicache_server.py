@@ -93,3 +93,4 @@ def test_sigkill_during_write_back_leaves_a_usable_store(tmp_path: Path) -> None
         for prompt, expected in zip(prompts + prompts, reference + reference):
             assert generate(server, prompt)["text"] == expected
         assert metric(server, "hicache_blocks_bad_total") == 0  # renames: nothing torn
+        assert metric(server, "hicache_blocks_read_total") > 0  # written back before the kill
