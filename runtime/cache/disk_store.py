@@ -76,6 +76,8 @@ class DiskStore:
             collections.OrderedDict()
         )  # prefetched and checked, oldest first
         self._reads: queue.Queue[tuple[bytes, np.ndarray] | None] = queue.Queue()
+        self._queued: set[bytes] = set()  # asked for, not yet being read
+        self._reading: dict[bytes, threading.Event] = {}  # being read: set when done
         self._reader = threading.Thread(target=self._read_loop, name="hicache-reader", daemon=True)
         self._reader.start()
 
@@ -106,6 +108,11 @@ class DiskStore:
         whose stored tokens differ from `tokens` is never returned."""
         tokens = np.asarray(tokens, dtype=np.int64)
         with self._lock:
+            self._queued.discard(key)  # not read yet: read here, the reader skips it
+            reading = self._reading.get(key)
+        if reading is not None:
+            reading.wait()  # being read: one read of a file, one verdict
+        with self._lock:
             ready = self._ready.pop(key, None)
             pending = self._pending.get(key)
         for found in (ready, pending):
@@ -117,8 +124,9 @@ class DiskStore:
         """Read and check `key`'s file in the background, so that a `get` soon after finds
         it in memory (a waiting request's blocks, read while it waits)."""
         with self._lock:
-            if key in self._pending or key in self._ready:
+            if key in self._pending or key in self._ready or key in self._queued:
                 return
+            self._queued.add(key)
         self._reads.put((key, np.asarray(tokens, dtype=np.int64)))
 
     def _load(self, key: bytes, tokens: np.ndarray) -> np.ndarray | None:
@@ -201,10 +209,17 @@ class DiskStore:
     def _read_loop(self) -> None:
         while (item := self._reads.get()) is not None:
             key, tokens = item
-            payload = self._load(key, tokens)
-            if payload is None:
-                continue
             with self._lock:
+                if key not in self._queued:
+                    continue  # `get` took it meanwhile
+                self._queued.remove(key)
+                done = self._reading[key] = threading.Event()
+            payload = self._load(key, tokens)
+            with self._lock:
+                del self._reading[key]
+                done.set()
+                if payload is None:
+                    continue
                 self._ready[key] = (tokens, payload)
                 self.counters["blocks_prefetched"] += 1
                 while sum(p.nbytes for _, p in self._ready.values()) > MAX_READY_BYTES:
