@@ -232,3 +232,25 @@ def test_prefetch_reads_the_blocks_past_the_pool_match(tmp_path: Path) -> None:
     slots, _ = fresh.tree.match_prefix(tokens)
     assert np.array_equal(fresh_pages.data[slots], rows_for(tokens))
     fresh.store.close()
+
+
+def test_two_stores_on_one_directory(tmp_path: Path) -> None:
+    """Two processes' stores writing the same blocks at once (as two servers would): every
+    file ends whole, and each store reads what the other wrote."""
+    a, b = DiskStore(tmp_path, FP_A, 1 << 30, {}), DiskStore(tmp_path, FP_A, 1 << 30, {})
+    blocks = [block(seed, 64) for seed in range(40)]
+    keys = [chain_keys(FP_A, tokens, 64)[0] for tokens, _ in blocks]
+    for key, (tokens, rows) in zip(keys, blocks):
+        a.put(key, tokens, rows)
+        b.put(key, tokens, rows)
+    a.flush()
+    b.flush()
+    only_b = block(99, 64)
+    b.put(key_b := chain_keys(FP_A, only_b[0], 64)[0], *only_b)
+    b.flush()
+    assert np.array_equal(a.get(key_b, only_b[0]), only_b[1])
+    for key, (tokens, rows) in zip(keys, blocks):
+        assert np.array_equal(a.get(key, tokens), rows)
+    assert not list(tmp_path.rglob("*.tmp"))
+    a.close()
+    b.close()
