@@ -3,6 +3,7 @@
     radixflow bench [--quick] [--json PATH] [--plot PATH] [--workloads a,b] [--systems x,y]
     radixflow bench --from-json docs/bench-results.json --plot docs/bench-results.png
     radixflow bench --workloads json_decode --systems radixflow,vllm --repeats 3
+    radixflow bench --workloads agent_restart [--quick]   (bench/agent_restart.py)
 
 Workloads are bench/workloads.py: rounds of calls with fixed token counts (greedy, EOS
 ignored), each round built from the previous round's outputs, so every system does equal work.
@@ -31,7 +32,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from radixflow.bench import baselines
+from radixflow.bench import agent_restart, baselines
 from radixflow.bench import report as out
 from radixflow.bench.dsl import DslSystem
 from radixflow.bench.engine import SCHEDULER_MODES, RadixflowSystem
@@ -313,6 +314,15 @@ def pick(value: str, known: list[str] | tuple[str, ...], what: str) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "agent_restart" in " ".join(argv):  # restarts servers: its own driver, its own flags
+        return agent_restart.main(
+            [
+                a
+                for a in argv
+                if a not in ("--workloads", "agent_restart", "--workloads=agent_restart")
+            ]
+        )
     args = build_parser().parse_args(argv)
     if args.from_json:
         return out.replot(args.from_json, args.plot)

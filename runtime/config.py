@@ -29,6 +29,8 @@ QUANTIZATIONS = ("", "int8", "awq", "gptq")
 CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
 QUANTIZED_ACTIVATIONS = ("auto", "int8", "fp32")
 SAMPLING_DEFAULTS = ("model", "openai")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_DTYPES = ("auto", "float16", "bfloat16")
 DEFAULT_POOL_TOKENS = 65536  # a pool sized to the machine stops here (or at one full context)
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
@@ -99,6 +101,32 @@ class ServerConfig:
         "preempts more)",
     )
     disable_radix_cache: bool = _knob(False, "turn prefix reuse off (ablation)")
+    enable_hierarchical_cache: bool = _knob(
+        False,
+        "a disk tier under the radix tree: KV blocks the pool evicts (or computes, with "
+        "write_through) are stored in files and loaded back on a prefix hit, across restarts "
+        "too (docs/disk-cache.md)",
+    )
+    hicache_storage_backend: str = _knob("file", "where the tier stores blocks: file")
+    hicache_storage_dir: str = _knob(
+        "",
+        "the tier's directory (made 0700); '' = $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+        "else $RADIXFLOW_CACHE/hicache (~/.cache/radixflow/hicache)",
+    )
+    hicache_size: float = _knob(
+        8.0, "the tier's cap in GB on disk; least recently used blocks go past it"
+    )
+    hicache_write_policy: str = _knob(
+        "write_through",
+        "write_through: store each block once its KV is computed (a restart, even after "
+        "SIGKILL, finds everything computed); write_back: store a block only when the pool "
+        "evicts it, and at shutdown what the pool still holds (less disk traffic)",
+    )
+    hicache_storage_dtype: str = _knob(
+        "auto",
+        "dtype of stored KV: auto (the pool's, exact), float16 or bfloat16 (half an "
+        "fp32 pool's bytes, lossy)",
+    )
     max_preemptions: int = _knob(8, "times one request may be preempted before it is failed")
     context_length: int = _knob(0, "max tokens per sequence; 0 = the model's own")
     max_new_tokens_limit: int = _knob(8192, "largest max_new_tokens a request may ask for")
@@ -346,6 +374,20 @@ class ServerConfig:
             ),
             (self.dist_timeout > 0, "dist_timeout must be > 0"),
             (self.tp_size == 1 or self.dp_size == 1, "--tp-size with --dp-size is not supported"),
+            (self.hicache_storage_backend == "file", "hicache_storage_backend must be file"),
+            (self.hicache_size > 0, "hicache_size must be > 0 (GB)"),
+            (
+                self.hicache_write_policy in HICACHE_WRITE_POLICIES,
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}",
+            ),
+            (
+                self.hicache_storage_dtype in HICACHE_DTYPES,
+                f"hicache_storage_dtype must be one of {HICACHE_DTYPES}",
+            ),
+            (
+                not self.enable_hierarchical_cache or self.tp_size == 1,
+                "--enable-hierarchical-cache with --tp-size > 1 is not supported yet",
+            ),
         ]
         for ok, message in checks:
             if not ok:

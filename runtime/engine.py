@@ -303,6 +303,9 @@ class Engine:
         self.scheduler.check_invariants()
 
     def shutdown(self) -> None:
+        if self.scheduler.kv.tiers is not None:  # pending disk writes land
+            self.scheduler.kv.tiers.close()
+            self.scheduler.kv.tiers = None
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()
         if self._loaded.tp is not None:  # stops ranks 1..N-1

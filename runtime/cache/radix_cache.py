@@ -6,6 +6,8 @@ locking that node protects exactly the matched tokens. A lock walks to the root;
 is never evicted. Accounting: `evictable_size + protected_size` is the number of tokens in the
 tree, protected meaning "on a path some request has locked".
 
+A lower tier (tiered.py) sees every leaf before it is deleted (`on_evict`).
+
 Pages: every node holds one pool reference on each distinct page its slots live in, so a page
 split between two nodes stays live until both are gone.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -51,6 +54,7 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self.on_evict: Callable[[Node], None] | None = None  # a lower tier's write-back
 
     @property
     def total_size(self) -> int:
@@ -182,6 +186,8 @@ class RadixCache:
         return node is not self.root and not node.children and node.lock_ref == 0
 
     def _delete_leaf(self, node: Node) -> None:
+        if self.on_evict is not None:  # while its pages still hold its KV
+            self.on_evict(node)
         del node.parent.children[int(node.key[0])]
         self.evictable_size -= len(node.key)
         self.pool.decref(self.pool.pages_of(node.value))

@@ -212,6 +212,8 @@ def run_scheduler(config: ServerConfig, addresses: IpcAddresses, parent_pid: int
             remove_ipc_dir(addresses)  # nobody else will
         stopped = True
     finally:
+        if bundle.scheduler.kv.tiers is not None:  # pending disk writes land before exit
+            bundle.scheduler.kv.tiers.close()
         if bundle.scheduler.grammars is not None:
             bundle.scheduler.grammars.shutdown()
         if tp is not None:

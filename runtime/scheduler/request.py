@@ -66,6 +66,7 @@ class Req:
     priority: int = 0  # admission: larger first, with --enable-priority-scheduling
     num_preemptions: int = 0
     cached_tokens: int = -1  # set once, at first admission
+    cached_tokens_disk: int = 0  # of those, loaded from the disk tier (runtime/cache/tiered.py)
     grammar: Any = None  # a constraints.Grammar while constrained
     draft_ids: list[int] = field(default_factory=list)  # this step's speculative drafts
     spec: Any = None  # speculative.DraftState once drafting has looked at this request
@@ -268,6 +269,7 @@ class Req:
             "prompt_tokens": len(self.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": max(self.cached_tokens, 0),
+            "cached_tokens_disk": min(self.cached_tokens_disk, max(self.cached_tokens, 0)),
             "finish_reason": self.finish_reason,
             "num_preemptions": self.num_preemptions,
             "jump_forward_tokens": self.jump_forward_tokens,

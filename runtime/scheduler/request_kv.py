@@ -10,6 +10,7 @@ import numpy as np
 
 from radixflow.runtime.cache.kv_pool import KVPool, run_hint
 from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.protocol.plan import I64
 from radixflow.runtime.scheduler.request import Req
 from radixflow.runtime.scheduler.stats import SchedulerStats
@@ -22,8 +23,36 @@ COPY_PREFIX_BELOW = 16
 class RequestKV:
     """Slots for requests, from `pool` (evicting from `tree` when short) and the tree."""
 
-    def __init__(self, pool: KVPool, tree: RadixCache, metrics: SchedulerStats) -> None:
+    def __init__(
+        self, pool: KVPool, tree: RadixCache, metrics: SchedulerStats, tiers: DiskTier | None = None
+    ) -> None:
         self.pool, self.tree, self.metrics = pool, tree, metrics
+        self.tiers = tiers  # the disk tier under the tree (runtime/cache/tiered.py), or None
+
+    def match(self, req: Req) -> tuple[np.ndarray, Any]:
+        """`req`'s longest cached prefix (slots, node): the pool's, extended by the blocks
+        that follow it on disk (loaded into the pool and the tree here)."""
+        key = np.asarray(req.fill_ids[: req.max_prefix_len], dtype=I64)
+        prefix, node = self.tree.match_prefix(key)
+        if self.tiers is None or self.tree.disabled:
+            return prefix, node
+        loaded = self.tiers.load(key, prefix, node, self._take_pages)
+        if not loaded:
+            return prefix, node
+        if req.cached_tokens < 0:  # counted at first admission, as cached_tokens
+            req.cached_tokens_disk += loaded
+        return self.tree.match_prefix(key)
+
+    def prefetch(self, req: Req) -> None:
+        """A request starts waiting: the disk tier reads its blocks meanwhile."""
+        if self.tiers is not None and not self.tree.disabled:
+            self.tiers.prefetch(np.asarray(req.fill_ids[: req.max_prefix_len], dtype=I64))
+
+    def _take_pages(self, count: int) -> list[int] | None:
+        short = count - self.pool.num_free_pages
+        if short > 0:
+            self.metrics.evicted(self.tree.evict(short * self.pool.page_size))
+        return self.pool.alloc_pages(count)
 
     def start(self, req: Req, prefix: np.ndarray, node: Any, chunk: int) -> bool:
         """Give a waiting request its cached prefix (lock already held) and `chunk` new slots."""
@@ -106,6 +135,8 @@ class RequestKV:
         present = self.tree.insert(keys, req.slots[: req.kv_len])
         slots, node = self.tree.match_prefix(keys)
         assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
+        if self.tiers is not None:
+            self.tiers.computed(keys, slots, req.prefix_len)
         # someone else's duplicates: adopt the tree's slots, but a short head keeps its own
         if req.prefix_len < present and present >= COPY_PREFIX_BELOW:
             req.set_slots(req.prefix_len, slots[req.prefix_len : present])
@@ -133,6 +164,8 @@ class RequestKV:
         if keep_in_tree and not self.tree.disabled and req.kv_len > req.prefix_len:
             keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
             self.tree.insert(keys, req.slots[: req.kv_len])
+            if self.tiers is not None:
+                self.tiers.computed(keys, req.slots[: req.kv_len], req.prefix_len)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         self.pool.decref(req.own_pages)

@@ -18,6 +18,7 @@ import numpy as np
 
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
 from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
@@ -59,6 +60,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,  # virtual under `radixflow simulate`
         encoder: bool = False,  # an encoder model: embed requests only, each input whole
         speculator: Speculator | None = None,  # a draft model's (runtime/scheduler/draft_model.py)
+        tiers: DiskTier | None = None,  # a disk tier under the tree (its own tree)
     ) -> None:
         self.config = config
         self.encoder = encoder
@@ -69,14 +71,14 @@ class Scheduler:
         self.decode = decode
         self.grammars = grammars
         self.pool = pool
-        self.tree = RadixCache(self.pool, disabled=config.disable_radix_cache)
+        self.tree = tiers.tree if tiers else RadixCache(pool, disabled=config.disable_radix_cache)
         self.grammar_queue: list[Req] = []
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.step_count = 0
         self.clock, self.metrics, self.admit_stop = clock, SchedulerStats(), None
-        self.kv = RequestKV(self.pool, self.tree, self.metrics)
+        self.kv = RequestKV(self.pool, self.tree, self.metrics, tiers)
         self.spec = speculator or Speculator(config, eos_token_ids, encode)
         self.encode = encode
         self.jump = JumpForward(not config.disable_jump_forward)
@@ -119,6 +121,7 @@ class Scheduler:
         else:
             req.state = ReqState.WAITING
             self.waiting.append(req)
+            self.kv.prefetch(req)  # blocks on disk are read while it waits
 
     def abort(self, rid: str, message: str = "aborted") -> Req | None:
         """Finish `rid` wherever it is (idempotent; unknown rids return None)."""
@@ -289,9 +292,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
                 self.admit_stop = "token_budget" if budget <= 0 else "running_cap"
                 break
-            prefix, node = self.tree.match_prefix(
-                np.asarray(req.fill_ids[: req.max_prefix_len], I64)
-            )
+            prefix, node = self.kv.match(req)  # loads what follows on disk, if any
             ids = np.asarray(req.fill_ids, dtype=I64)
             reuses = not (self.tree.disabled or req.whole_input or req.pooling in ("mean", "cls"))
             if reuses and shares_uncached(ids, len(prefix), in_step):

@@ -238,6 +238,8 @@ class SchedulerStats:
                 for r in self.requests
             ][-256:],
         }
+        if scheduler.kv.tiers is not None:  # the disk tier's hicache_* counters
+            out.update(scheduler.kv.tiers.stats())
         if not scheduler.has_work:  # idle: the tree picture (`radixflow tree`)
             out["radix_tree"] = dump_tree(scheduler.tree, scheduler.decode)
         return out

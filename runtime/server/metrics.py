@@ -108,8 +108,14 @@ class Metrics:
             "spec_proposed_tokens_total": stats.get("spec_proposed", 0),
             "spec_accepted_tokens_total": stats.get("spec_accepted", 0),
         }
+        if "hicache_hit_tokens" in stats:  # --enable-hierarchical-cache: the disk tier
+            counters.update(hicache_counters(stats))
         for name, value in counters.items():
             lines += [f"# TYPE {p}{name} counter", f"{p}{name} {value}"]
+        lines.append(f"# TYPE {p}cached_tokens_by_tier_total counter")
+        disk = stats.get("hicache_hit_tokens", 0)
+        for tier, value in (("device", stats.get("cached_tokens", 0) - disk), ("disk", disk)):
+            lines.append(f'{p}cached_tokens_by_tier_total{{tier="{tier}"}} {value}')
         gauges = {
             "num_running_reqs": stats.get("running_requests", 0),
             "num_queue_reqs": stats.get("waiting_requests", 0),
@@ -119,6 +125,8 @@ class Metrics:
             # tokens a verify step yields (kept drafts + 1), since start (SGLang's name)
             "spec_accept_length": stats.get("spec_accept_length", 0.0),
         }
+        if "hicache_disk_bytes" in stats:
+            gauges["hicache_disk_bytes"] = stats["hicache_disk_bytes"]
         for name, value in gauges.items():
             lines += [f"# TYPE {p}{name} gauge", f"{p}{name} {value}"]
         lines.append(f"# TYPE {p}kv_slots gauge")
@@ -129,6 +137,21 @@ class Metrics:
         ):
             lines.append(f'{p}kv_slots{{state="{state}"}} {value}')
         return ("\n".join(lines) + "\n").encode()
+
+
+def hicache_counters(stats: dict[str, Any]) -> dict[str, Any]:
+    """The disk tier's counters (runtime/cache/tiered.py, disk_store.py) under SGLang-like
+    names; load latency as a seconds sum and a count (mean = sum / count)."""
+    return {
+        "hicache_bytes_read_total": stats.get("hicache_bytes_read", 0),
+        "hicache_bytes_written_total": stats.get("hicache_bytes_written", 0),
+        "hicache_blocks_read_total": stats.get("hicache_blocks_read", 0),
+        "hicache_blocks_written_total": stats.get("hicache_blocks_written", 0),
+        "hicache_blocks_bad_total": stats.get("hicache_blocks_bad", 0),
+        "hicache_writes_dropped_total": stats.get("hicache_writes_dropped", 0),
+        "hicache_load_seconds_total": stats.get("hicache_load_seconds", 0.0),
+        "hicache_loads_total": stats.get("hicache_loads", 0),
+    }
 
 
 def load_summary(stats: dict[str, Any], in_flight: int, tokens_per_s: float) -> str:
