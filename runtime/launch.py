@@ -27,11 +27,8 @@ from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
-<<<<<<< HEAD
-from radixflow.runtime.launch_draft import build_draft
-=======
 from radixflow.runtime.hicache import build_tier
->>>>>>> 0496bfcb946232d4430aac17c818eb5b506ee828
+from radixflow.runtime.launch_draft import build_draft
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
 from radixflow.runtime.model_executor.kv_sizing import (
     GIB,
