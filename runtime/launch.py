@@ -160,14 +160,11 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
     eos = eos_token_ids(tokenizer, hf_config)
-<<<<<<< HEAD
     speculator = None
     if config.speculative_algorithm == "draft":  # a second model in this process
         vocab = model.config.vocab_size
         speculator = build_draft(config, tokenizer, vocab, eos, num_tokens, context_len)
-=======
     tiers = build_tier(config, model_dir, runner, pool, (0, config.tp_size))
->>>>>>> 0496bfcb946232d4430aac17c818eb5b506ee828
     scheduler = Scheduler(
         config,
         runner,
@@ -181,11 +178,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         else _grammar_backend(config, tokenizer, model.config.vocab_size, eos),
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
         encoder=encoder,
-<<<<<<< HEAD
         speculator=speculator,
-=======
         tiers=tiers,
->>>>>>> 0496bfcb946232d4430aac17c818eb5b506ee828
     )
     info = {
         "model": config.served_model_name or config.model_path,
