@@ -9,7 +9,7 @@ pool costs in accuracy and speed).
   share of tokens equal up to the first divergence and after it (top-1 agreement), and the
   mean and max absolute difference of the chosen tokens' log-probs over the common prefix
   (the logit error as the user sees it: the log-softmax removes only a per-row shift).
-- memory: each pool's bytes per token (an int8 pool's scales included), from the runner.
+- memory: each pool's bytes per token (an int8 pool's scales included), from model_info.
 - speed: decode tokens/s at 1 and 16 streams, the pools interleaved round by round, medians
   of `--repeats` rounds (each engine's start log gives its pool's bytes per token).
 """
@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     outputs = {d: greedy(e, prompts, args.new_tokens) for d, e in engines.items()}
     rows = {d: compare(outputs["fp32"], outputs[d]) for d in dtypes}
     for d, engine in engines.items():
-        runner = engine.scheduler.runner
-        pools = runner.k_caches.nbytes + runner.v_caches.nbytes
-        rows[d]["bytes_per_token"] = pools // runner.k_caches.shape[1]
+        rows[d]["bytes_per_token"] = engine.model_info["kv_pool"]["bytes_per_token"]
     streams = [int(s) for s in args.streams.split(",")]
     rates: dict[tuple[str, int], list[float]] = {(d, n): [] for d in dtypes for n in streams}
     for round_ in range(args.repeats):

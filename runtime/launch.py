@@ -194,6 +194,11 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "attention_backend": model.ops.name,
+        "kv_pool": {
+            "dtype": sizing.dtype,
+            "bytes_per_token": sizing.bytes_per_token,
+            "tokens": sizing.num_tokens,
+        },  # fmt: skip
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
         # what a request leaves unset samples with (--sampling-defaults)
         "sampling_defaults": (
