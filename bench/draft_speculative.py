@@ -117,13 +117,14 @@ target_path, draft_path, k, new, repeats = sys.argv[1], sys.argv[2], *map(int, s
 prompts = json.loads(sys.argv[6])
 
 class ModelDraft(LlamaDraftModel):
-    # a second Llama drafting k greedy tokens (its KV reused by generate's prefix match)
+    # a second Llama drafting k greedy tokens (generate(reset=True) keeps the KV of the
+    # longest prefix it shares with the last call and evaluates only the rest)
     def __init__(self, path, k):
         self.llm = llama_cpp.Llama(path, n_ctx=2048, n_threads=2, verbose=False)
         self.k = k
     def __call__(self, input_ids, **kwargs):
         out = []
-        for tok in self.llm.generate(input_ids.tolist(), temp=0.0, reset=False):
+        for tok in self.llm.generate(input_ids.tolist(), temp=0.0, reset=True):
             out.append(tok)
             if len(out) == self.k:
                 break

@@ -17,7 +17,7 @@ from radixflow.runtime.cache.radix_cache import RadixCache
 from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.kv_pages import PoolPages
-from radixflow.runtime.model_executor.model_runner import DTYPES, ModelRunner
+from radixflow.runtime.model_executor.model_runner import ModelRunner
 from radixflow.runtime.models.loader import cache_root, gguf_source
 
 BLOCK_TOKENS = 64  # positions per stored block (rounded up to whole pages)
@@ -37,10 +37,6 @@ def build_tier(
         return None
     if not runner.model.stores_kv:
         return None
-    if runner.k_caches.dtype not in DTYPES.values():  # a quantized pool keeps scales apart
-        raise ValueError(
-            f"--enable-hierarchical-cache stores float KV pools only, not {runner.k_caches.dtype}"
-        )
     pages = PoolPages(runner, config.hicache_storage_dtype)
     page = config.page_size
     block = -(-BLOCK_TOKENS // page) * page

@@ -128,6 +128,40 @@ def test_store_of_another_configuration_is_ignored(make_engine, tmp_path, refere
     assert len(list(tmp_path.iterdir())) == 2  # a namespace per fingerprint
 
 
+def test_an_int8_pool_is_stored_with_its_scales(make_engine, tmp_path: Path) -> None:
+    """An int8 pool's blocks carry its scales: the restart's reply equals the int8 pool's own
+    (a load that dropped the scales would read zeros where the prefix was)."""
+    int8 = {"kv_cache_dtype": "int8"}
+    own = make_engine(**int8).generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+    store_prompt(make_engine, tmp_path, **int8)
+    out, meta, _ = serve_again(make_engine, tmp_path, **int8)
+    assert out == own and meta["cached_tokens_disk"] == 256
+
+
+def test_int8_pages_round_trip_exactly() -> None:
+    """PoolPages on an int8 pool: rows read from some slots and written to others leave those
+    slots with the same int8 values and scales, keys and values alike."""
+    import torch
+
+    from radixflow.kernels.kv_int8 import Int8KV
+    from radixflow.runtime.model_executor.kv_pages import PoolPages
+
+    def pool() -> Int8KV:
+        data = torch.randint(-127, 128, (3, 16, 2, 8), dtype=torch.int8)
+        return Int8KV(data, torch.rand(3, 16, 2))
+
+    runner = type("Runner", (), {"k_caches": pool(), "v_caches": pool()})()
+    pages = PoolPages(runner)
+    assert pages.bytes_per_token == 2 * 3 * 2 * (8 + 4)
+    src, dst = np.array([1, 5, 9]), np.array([12, 13, 14])
+    pages.write(dst, pages.read(src))
+    for kv in (runner.k_caches, runner.v_caches):
+        assert torch.equal(kv.data[:, dst], kv.data[:, src])
+        assert torch.equal(kv.scale[:, dst], kv.scale[:, src])
+    with pytest.raises(ValueError, match="int8 KV pool is stored as it is"):
+        PoolPages(runner, "float16")
+
+
 def test_storage_dir_and_config_checks(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "from-env"))  # SGLang's variable
     assert storage_dir(ServerConfig()) == tmp_path / "from-env"

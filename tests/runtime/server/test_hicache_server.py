@@ -33,6 +33,8 @@ def metric(server, name: str) -> float:
     return float(found.group(1))
 
 
+# two server starts: tests/runtime/cache/test_hicache_engine.py restarts in the default suite
+@pytest.mark.slow
 def test_restart_serves_the_prefix_from_disk(tmp_path: Path) -> None:
     config = {"enable_hierarchical_cache": True, "hicache_storage_dir": str(tmp_path)}
     prompt = long_text(110)
