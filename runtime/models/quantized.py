@@ -274,7 +274,15 @@ def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:
     else:
         with Progress("tuning quantized matmuls", len(DENSE_CANDIDATES), "row counts") as bar:
             chosen = _time_dense_rows(first, rounds, bar)
-        write_tuning(key, chosen)
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load <= cores:
+            write_tuning(key, chosen)
+        else:  # timings taken beside other work mislead (dense won at 16 rows, 3x too slow)
+            log.warning(
+                "quantized matmuls: tuned with the load average at %.1f on %d cores: the "
+                "choice holds for this start only; a start on a quieter machine tunes again",
+                load, cores,
+            )  # fmt: skip
     for m in layers:
         m.dense_from = chosen
     return chosen

@@ -5,6 +5,7 @@ greedy replies), through the Python layers and the compiled decode loop alike.""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -156,11 +157,18 @@ def test_the_matmul_tuning_is_cached_per_machine_model_and_threads(
         return timing(*args)
 
     monkeypatch.setattr(quantized, "_time_dense_rows", counted)
+    load = [0.0]  # a quiet machine; then one busier than its cores
+    monkeypatch.setattr(quantized.os, "getloadavg", lambda: (load[0], 0.0, 0.0))
     try:
         with caplog.at_level(logging.INFO, logger="radixflow"):
+            load[0] = 4.0 * (os.cpu_count() or 1)
+            quantized.choose_dense_rows(model, rounds=1)
+            assert not (tmp_path / "tuning.json").exists()  # a busy machine's timing: not kept
+            assert any("for this start only" in r.getMessage() for r in caplog.records)
+            load[0], timed[:] = 0.0, []
             first = quantized.choose_dense_rows(model, rounds=1)
             second = quantized.choose_dense_rows(model, rounds=1)
-        assert timed == [1] and first == second
+        assert timed == [1] and first == second  # the quiet timing kept, then read
         assert (tmp_path / "tuning.json").is_file()
         assert any("tuning quantized matmuls" in r.getMessage() for r in caplog.records)
         assert any("the tuning cached for this machine" in r.getMessage() for r in caplog.records)
