@@ -266,6 +266,14 @@ def shared_server() -> Iterator[Server]:
         yield server
 
 
+def emptied(server: Server) -> Server:
+    """A session server with an empty radix tree, as a module's own server starts: greedy text
+    under the default int8 matmuls moves with what the tree already holds (a cached prefix
+    changes the rows a prefill quantizes together)."""
+    assert server.endpoint.flush_cache(), "requests still running on the shared server"
+    return server
+
+
 SHARED_KEY = "shared-secret"  # keyed_server's --api-key
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from conftest import emptied
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -82,7 +84,8 @@ def run_python(code: str, tmp_path: Path) -> str:
 @pytest.fixture(scope="module")
 def server(shared_server: Any) -> dict[str, str]:
     """The session's shared `radixflow serve`: {"http": host:port, "zmq": tcp://host:port}."""
-    return {"http": shared_server.url.split("://", 1)[1], "zmq": shared_server.address}
+    server = emptied(shared_server)
+    return {"http": server.url.split("://", 1)[1], "zmq": server.address}
 
 
 def live(code: str, server: dict[str, str]) -> str:

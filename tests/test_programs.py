@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from conftest import emptied
+
 PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
 sys.path.insert(0, str(PROGRAMS))
 
@@ -27,7 +29,9 @@ def program(name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def runtime(shared_server: Any) -> Any:
-    return shared_server  # its endpoint waits 300 s: the test machine's 2 cores may be shared
+    return emptied(
+        shared_server
+    )  # its endpoint waits 300 s: the test machine's 2 cores may be shared
 
 
 def test_multi_turn_chat(runtime: Any) -> None:

@@ -16,13 +16,16 @@ import openai
 import pytest
 
 import radixflow as sgl
+from conftest import emptied
 
 IP_REGEX = r"((25[0-5]|2[0-4]\d|[01]?\d\d?)\.){3}(25[0-5]|2[0-4]\d|[01]?\d\d?)"
 
 
 @pytest.fixture(scope="module")
 def runtime(shared_server: Any) -> Any:
-    sgl.set_default_backend(shared_server)  # its endpoint waits 300 s: 2 cores may be shared
+    sgl.set_default_backend(
+        emptied(shared_server)
+    )  # its endpoint waits 300 s: 2 cores may be shared
     yield shared_server
     sgl.set_default_backend(None)
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import SHARED_KEY, Server
+from conftest import SHARED_KEY, Server, emptied
 from radixflow.runtime.server import http_request
 from radixflow.runtime.server.http_request import GENERATE_FIELDS, GENERATE_NOOP, check_fields
 
@@ -32,7 +32,7 @@ STORY = "Once upon a time, in a small village by the sea, there lived"
 
 @pytest.fixture(scope="module")
 def runtime(keyed_server: Server) -> Server:
-    return keyed_server
+    return emptied(keyed_server)
 
 
 @pytest.fixture(scope="module")

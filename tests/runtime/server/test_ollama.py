@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from langchain_ollama import ChatOllama
 
-from conftest import SHARED_KEY, Server
+from conftest import SHARED_KEY, Server, emptied
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.models.loader import builtin_gguf
 from radixflow.runtime.protocol.messages import Generate
@@ -62,7 +62,7 @@ PNG = (  # a 1x1 image, base64
 
 @pytest.fixture(scope="module")
 def runtime(keyed_server: Server) -> Server:
-    return keyed_server
+    return emptied(keyed_server)
 
 
 @pytest.fixture(scope="module")

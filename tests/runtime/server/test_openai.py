@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import SHARED_KEY, Server
+from conftest import SHARED_KEY, Server, emptied
 
 API_KEY = SHARED_KEY
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,7 +29,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def runtime(keyed_server: Server) -> Server:
-    return keyed_server
+    return emptied(keyed_server)
 
 
 @pytest.fixture(scope="module")
