@@ -66,7 +66,6 @@ from radixflow.runtime.scheduler.speculative import (
     DraftState,
     Rate,
     Speculator,
-    _extra_pages,
 )
 from radixflow.runtime.scheduler.stats import SchedulerStats
 
@@ -229,22 +228,11 @@ class DraftSpeculator(Speculator):
                 wanted.append((req, k))
         drafted = self._run_draft(wanted)
         for req, _ in wanted:
-            drafts = drafted.get(req.rid, [])
-            if drafts and req.grammar is not None:
-                drafts = self._check_grammar(req, drafts)
-            while drafts and _extra_pages(req.kv_len, len(drafts), page_size) > spare_pages:
-                drafts.pop()
-            if not drafts:
-                continue
-            spare_pages -= _extra_pages(req.kv_len, len(drafts), page_size)
-            req.draft_ids = drafts
-            if req.rid in self.q_rows:  # sampled from q: judged by rejection sampling
-                req.spec.q = np.stack(self.q_rows[req.rid][: len(drafts)])
-            req.spec.kind = KIND
-            req.spec.kv_before, req.spec.pages_before = req.kv_len, len(req.own_pages)
-            if req.spec.masks is not None:
-                req.spec.masks = req.spec.masks[: 1 + len(drafts)]
-            self.verifying.append(req)
+            spare_pages = self._verify_drafts(req, drafted.get(req.rid, []), spare_pages, page_size)
+            if req.draft_ids:
+                req.spec.kind = KIND
+                if req.rid in self.q_rows:  # sampled from q: judged by rejection sampling
+                    req.spec.q = np.stack(self.q_rows[req.rid][: len(req.draft_ids)])
         return self.verifying
 
     def _length(self, req: Req, batch_size: int) -> int:

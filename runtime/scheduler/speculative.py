@@ -238,19 +238,24 @@ class Speculator:
                 req.spec = DraftState()
             limit = min(context_len - req.seq_len, req.remaining_new_tokens() - 1)
             drafts = self._draft(req, limit, len(running)) if limit > 0 else []
-            if drafts and req.grammar is not None:
-                drafts = self._check_grammar(req, drafts)
-            while drafts and _extra_pages(req.kv_len, len(drafts), page_size) > spare_pages:
-                drafts.pop()
-            if not drafts:
-                continue
-            spare_pages -= _extra_pages(req.kv_len, len(drafts), page_size)
-            req.draft_ids = drafts
-            req.spec.kv_before, req.spec.pages_before = req.kv_len, len(req.own_pages)
-            if req.spec.masks is not None:
-                req.spec.masks = req.spec.masks[: 1 + len(drafts)]
-            self.verifying.append(req)
+            spare_pages = self._verify_drafts(req, drafts, spare_pages, page_size)
         return self.verifying
+
+    def _verify_drafts(self, req: Req, drafts: list[int], spare_pages: int, page_size: int) -> int:
+        """Give `req` the drafts its grammar allows and the spare pages hold, to be verified
+        this step; return the spare pages left."""
+        if drafts and req.grammar is not None:
+            drafts = self._check_grammar(req, drafts)
+        while drafts and _extra_pages(req.kv_len, len(drafts), page_size) > spare_pages:
+            drafts.pop()
+        if not drafts:
+            return spare_pages
+        req.draft_ids = drafts
+        req.spec.kv_before, req.spec.pages_before = req.kv_len, len(req.own_pages)
+        if req.spec.masks is not None:
+            req.spec.masks = req.spec.masks[: 1 + len(drafts)]
+        self.verifying.append(req)
+        return spare_pages - _extra_pages(req.kv_len, len(drafts), page_size)
 
     def _alpha(self, req: Req, kind: Kind) -> float:
         """The request's acceptance rate for drafts of `kind`, its own history blended with
