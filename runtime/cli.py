@@ -17,6 +17,7 @@ tp-worker` are the internal entries of the scheduler process and of tensor-paral
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -75,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "tp-worker":
         from radixflow.runtime.distributed.tp_worker import run_worker  # noqa: PLC0415 (torch)
+        from radixflow.runtime.hicache import build_shard  # noqa: PLC0415 (torch)
 
         config = config_from_kwargs(**json.loads(args.config_json))
-        return run_worker(config, args.rank, args.init_addr, Path(args.model_dir), args.parent_pid)
+        model_dir, tp = Path(args.model_dir), (args.rank, config.tp_size)
+        shard = functools.partial(build_shard, config, model_dir, tp=tp)
+        return run_worker(config, args.rank, args.init_addr, model_dir, args.parent_pid, shard)
     try:
         config = config_from_args(args)
     except ValueError as e:

@@ -384,10 +384,6 @@ class ServerConfig:
                 self.hicache_storage_dtype in HICACHE_DTYPES,
                 f"hicache_storage_dtype must be one of {HICACHE_DTYPES}",
             ),
-            (
-                not self.enable_hierarchical_cache or self.tp_size == 1,
-                "--enable-hierarchical-cache with --tp-size > 1 is not supported yet",
-            ),
         ]
         for ok, message in checks:
             if not ok:

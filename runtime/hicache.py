@@ -14,6 +14,7 @@ from typing import Any
 from radixflow.runtime.cache.disk_store import DiskStore
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tier_shards import ShardFollower
 from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.kv_pages import PoolPages
@@ -32,7 +33,28 @@ def build_tier(
     config: ServerConfig, model_dir: Path, runner: ModelRunner, pool: KVPool, tp: tuple[int, int]
 ) -> DiskTier | None:
     """The disk tier and its tree, or None when --enable-hierarchical-cache is off (or the
-    radix cache, or the model stores no KV)."""
+    radix cache, or the model stores no KV). Under tensor parallelism this is rank 0's shard;
+    the caller sets its `shards` (the other ranks')."""
+    built = _build_store(config, model_dir, runner, tp)
+    if built is None:
+        return None
+    store, pages, block = built
+    tree = RadixCache(pool)
+    return DiskTier(tree, pool, store, pages, config.hicache_write_policy, block)
+
+
+def build_shard(
+    config: ServerConfig, model_dir: Path, runner: ModelRunner, tp: tuple[int, int]
+) -> ShardFollower | None:
+    """Tensor-parallel rank tp[0] > 0's shard of the store (runtime/cache/tier_shards.py),
+    or None where rank 0 builds no tier."""
+    built = _build_store(config, model_dir, runner, tp)
+    return None if built is None else ShardFollower(*built)
+
+
+def _build_store(
+    config: ServerConfig, model_dir: Path, runner: ModelRunner, tp: tuple[int, int]
+) -> tuple[DiskStore, PoolPages, int] | None:
     if not config.enable_hierarchical_cache or config.disable_radix_cache:
         return None
     if not runner.model.stores_kv:
@@ -45,8 +67,7 @@ def build_tier(
     store = DiskStore(
         storage_dir(config), digest.digest(), int(config.hicache_size * 1e9), described
     )
-    tree = RadixCache(pool)
-    return DiskTier(tree, pool, store, pages, config.hicache_write_policy, block)
+    return store, pages, block
 
 
 def fingerprint_of(

@@ -27,6 +27,7 @@ from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
 from radixflow.runtime.distributed.tensor_parallel import start_rank0
+from radixflow.runtime.distributed.tier_ranks import TierRanks
 from radixflow.runtime.hicache import build_tier
 from radixflow.runtime.launch_draft import build_draft
 from radixflow.runtime.model_executor.cuda_graph import graph_max_bs
@@ -165,6 +166,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         vocab = model.config.vocab_size
         speculator = build_draft(config, tokenizer, vocab, eos, num_tokens, context_len)
     tiers = build_tier(config, model_dir, runner, pool, (0, config.tp_size))
+    if tiers is not None and loaded.tp is not None:  # each rank its own shard of the store
+        tiers.shards = TierRanks(loaded.tp)
     scheduler = Scheduler(
         config,
         runner,

@@ -152,6 +152,10 @@ class DiskStore:
             pass  # another process deleted it meanwhile: we hold its bytes already
         return payload
 
+    def discard(self, key: bytes) -> None:
+        """Delete `key`'s block (another tensor-parallel rank lacks its shard of it)."""
+        self._delete(key)
+
     def _count(self, name: str, amount: int = 1) -> None:
         with self._lock:
             self.counters[name] += amount

@@ -15,6 +15,8 @@ until the first block that is not there.
 - Load: `load` extends a pool match with the blocks that follow it on disk: fresh pool pages
   (evicting as usual), KV copied in (`KVPages.write`), inserted into the tree; the caller
   then matches again and sees them as an ordinary cached prefix.
+- Tensor parallelism: `shards` (tier_shards.py) mirrors every save, prefetch and load on
+  ranks 1..N-1, each into its own shard of the store; a load takes the blocks every rank holds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 from radixflow.runtime.cache.disk_store import DiskStore
 from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import Node, RadixCache, common_prefix_len
+from radixflow.runtime.cache.tier_shards import Shards
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -91,7 +94,8 @@ class DiskTier:
         assert block_tokens % pool.page_size == 0, f"{block_tokens=} {pool.page_size=}"
         self.tree, self.pool, self.store, self.pages = tree, pool, store, pages
         self.write_policy, self.block_tokens = write_policy, block_tokens
-        self.counters = {"hit_tokens": 0, "loads": 0, "load_seconds": 0.0}
+        self.counters = {"hit_tokens": 0, "loads": 0, "load_seconds": 0.0, "shard_misses": 0}
+        self.shards: Shards | None = None  # ranks 1..N-1 under --tp-size N (tier_shards.py)
         tree.on_evict = self._evicted
 
     def load(
@@ -113,6 +117,8 @@ class DiskTier:
             if payload is None:
                 break
             rows.append(payload)
+        if rows and self.shards is not None:
+            rows = rows[: self._agree(keys[first : first + len(rows)], key, first)]
         if not rows:
             return 0
         end = (first + len(rows)) * block
@@ -123,10 +129,14 @@ class DiskTier:
         finally:
             self.tree.unlock(node)
         if pages is None:
+            if self.shards is not None:
+                self.shards.write(np.zeros(0, np.int64), 0)  # they let go of the blocks
             return 0
         positions = np.arange(matched, end)
         slots = np.asarray(pages, np.int64)[(positions - base) // size] * size + positions % size
         self.pages.write(slots, np.concatenate(rows)[matched - first * block :])
+        if self.shards is not None:
+            self.shards.write(slots, matched - first * block)
         self.tree.insert(key[:end], np.concatenate([prefix, slots]))
         self.pool.decref(pages)  # the tree holds them now
         self.counters["hit_tokens"] += end - matched
@@ -134,14 +144,30 @@ class DiskTier:
         self.counters["load_seconds"] += time.perf_counter() - start
         return end - matched
 
+    def _agree(self, keys: list[bytes], key: np.ndarray, first: int) -> int:
+        """How many of the blocks `keys` (from block `first` of `key`) every rank holds; a
+        block some other rank lacks is dropped here too, so that it is computed again and
+        stored on every rank."""
+        block = self.block_tokens
+        tokens = key[first * block : (first + len(keys)) * block]
+        assert self.shards is not None
+        agreed = self.shards.agree(keys, tokens, len(keys))
+        if agreed < len(keys):
+            self.counters["shard_misses"] += 1
+            self.store.discard(keys[agreed])
+        return agreed
+
     def prefetch(self, key: np.ndarray) -> None:
         """Start reading the blocks of `key` past its pool match (a request that waits)."""
         block = self.block_tokens
         keys = chain_keys(self.store.fingerprint, key, block)
-        for i in range(resident_len(self.tree, key) // block, len(keys)):
-            if not self.store.contains(keys[i]):
-                break
-            self.store.prefetch(keys[i], key[i * block : (i + 1) * block])
+        first = resident_len(self.tree, key) // block
+        found = first
+        while found < len(keys) and self.store.contains(keys[found]):
+            self.store.prefetch(keys[found], key[found * block : (found + 1) * block])
+            found += 1
+        if self.shards is not None and found > first:
+            self.shards.prefetch(keys[first:found], key[first * block : found * block])
 
     def computed(self, key: np.ndarray, slots: np.ndarray, known: int) -> None:
         """Positions `known`..len(key) of `key` were just computed into `slots` (the tree's):
@@ -171,8 +197,13 @@ class DiskTier:
         stored yet."""
         block = self.block_tokens
         keys = chain_keys(self.store.fingerprint, key, block)
+        saved = []
         for i in range(known // block, len(keys)):
             if self.store.contains(keys[i]):
                 continue
             span = slice(i * block, (i + 1) * block)
             self.store.put(keys[i], key[span], self.pages.read(slots[span]))
+            saved.append(i)
+        if self.shards is not None and saved:  # the same blocks, from their own pools
+            spans = np.concatenate([np.arange(i * block, (i + 1) * block) for i in saved])
+            self.shards.save([keys[i] for i in saved], key[spans], slots[spans])

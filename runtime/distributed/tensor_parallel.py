@@ -67,6 +67,7 @@ PLAN_FIELDS = (
     "copy_dst",
 )  # fmt: skip
 STEP, STOP, PING = 1, 2, 3
+SAVE, PREFETCH, PROBE, WRITE = 4, 5, 6, 7  # the disk tier's shards (tier_ranks.py)
 HEADER_LEN = 2 + len(PLAN_FIELDS)  # command, num_extend_tokens, the fields' lengths
 JOIN_TIMEOUT_S = 600.0  # every rank has joined within this (model loading comes after)
 LOAD_TIMEOUT_S = 3600.0  # and loaded its shard within this
@@ -141,6 +142,8 @@ class TensorParallel:
         self.broken = ""
         self.last_control = time.monotonic()
         self.dist_timeout = 60.0  # seconds; set by `connect`
+        # ranks 1..N-1: what runs a command other than a step (command, argument, arrays)
+        self.on_command: Callable[[int, int, list[np.ndarray]], None] | None = None
 
     def connect(
         self,
@@ -224,21 +227,45 @@ class TensorParallel:
             torch.tensor(header, dtype=torch.int64), torch.from_numpy(np.concatenate(arrays))
         )
 
+    def send_command(self, command: int, argument: int, arrays: list[np.ndarray]) -> None:
+        """Rank 0: a command other than a step (`on_command` runs it on the other ranks),
+        in order with the steps. Raises TensorParallelError."""
+        self._check_ranks()
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in arrays]
+        assert len(arrays) <= len(PLAN_FIELDS), len(arrays)
+        header = [command, argument, *(len(a) for a in arrays)]
+        header += [0] * (HEADER_LEN - len(header))
+        body = torch.from_numpy(np.concatenate(arrays)) if arrays else None
+        self._control(torch.tensor(header, dtype=torch.int64), body)
+
+    def min_of(self, value: int) -> int:
+        """The smallest of every rank's `value`, each rank calling it at the same point of
+        the command stream. Raises TensorParallelError on rank 0 when a rank is unreachable."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True)
+            work.wait(timedelta(seconds=self.dist_timeout))
+        except RuntimeError as e:
+            if self.rank:
+                raise
+            self._break(f"a tensor-parallel rank is unreachable: {e}")
+        return int(tensor)
+
     def recv_plan(self) -> BatchPlan | None:
-        """Ranks 1..N-1: the next step's plan (no sampling rows), or None when told to stop."""
+        """Ranks 1..N-1: the next step's plan (no sampling rows), or None when told to stop.
+        Other commands meanwhile go to `on_command`."""
         while True:
             header = torch.zeros(HEADER_LEN, dtype=torch.int64)
             dist.broadcast(header, 0)
-            if int(header[0]) != PING:
+            command = int(header[0])
+            if command in (STEP, STOP):
                 break
-        if int(header[0]) == STOP:
+            if command != PING:
+                assert self.on_command is not None, f"unknown tp command {command}"
+                self.on_command(command, int(header[1]), self._recv_body(header))
+        if command == STOP:
             return None
-        assert int(header[0]) == STEP, f"unknown tp command {int(header[0])}"
-        lengths = header[2:].tolist()
-        body = torch.empty(sum(lengths), dtype=torch.int64)
-        if len(body):
-            dist.broadcast(body, 0)
-        arrays = np.split(body.numpy(), np.cumsum(lengths)[:-1])
+        arrays = self._recv_body(header)
         fields = dict(zip(PLAN_FIELDS, arrays))
         return BatchPlan(
             num_extend_tokens=int(header[1]),
@@ -246,6 +273,13 @@ class TensorParallel:
             sample_rows=np.zeros(0, dtype=np.int64),
             **fields,
         )
+
+    def _recv_body(self, header: torch.Tensor) -> list[np.ndarray]:
+        lengths = header[2:].tolist()
+        body = torch.empty(sum(lengths), dtype=torch.int64)
+        if len(body):
+            dist.broadcast(body, 0)
+        return np.split(body.numpy(), np.cumsum(lengths)[:-1])
 
     def _control(
         self, header: torch.Tensor, body: torch.Tensor | None = None, timeout: float = 0.0

@@ -21,11 +21,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from radixflow.runtime.cache.kv_pool import KVPool
+from radixflow.runtime.cache.tier_shards import ShardFollower
 from radixflow.runtime.config import ServerConfig, fixed_threads
 from radixflow.runtime.distributed.tensor_parallel import (
     TensorParallel,
@@ -35,11 +37,13 @@ from radixflow.runtime.distributed.tensor_parallel import (
     rank_device,
     spawn_worker,
 )
+from radixflow.runtime.distributed.tier_ranks import follow
 from radixflow.runtime.model_executor.kv_sizing import kv_pool_dtype, size_kv_pool
 from radixflow.runtime.model_executor.model_runner import ModelRunner
 from radixflow.runtime.models.loader import resolve_model_dir
 
 log = logging.getLogger("radixflow.tp_worker")
+ShardBuilder = Callable[[ModelRunner], ShardFollower | None]
 MAX_QUICK_FAILURES = 5  # ranks that failed this many times in a row, each soon after start
 QUICK_S = 60.0
 REJOIN_DELAY_S = 1.0
@@ -56,14 +60,17 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
-               parent_pid: int) -> int:  # fmt: skip
-    """One rank's life: join, load, size the pool, follow plans. Returns the exit code."""
+               parent_pid: int, shard: ShardBuilder | None = None) -> int:  # fmt: skip
+    """One rank's life: join, load, size the pool, follow plans. Returns the exit code.
+    `shard` builds this rank's shard of the disk tier's store from its runner (None: no
+    tier), which then follows rank 0's tier (tier_ranks.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; rank 0 decides
     _watch_parent(parent_pid)
     if fixed_threads(config):
         torch.set_num_threads(fixed_threads(config))
     device = rank_device(config, rank)
     tp = TensorParallel.join(rank, config.tp_size, init_addr, config.dist_timeout, device)
+    follower = None
     try:
         model = load_shard(model_dir, config, device, tp)
         sizing = size_kv_pool(config, model, device)
@@ -76,11 +83,17 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
             shared_prefix=not config.disable_shared_prefix_attention,
             kv_dtype=kv_pool_dtype(sizing),
         )
+        follower = shard(runner) if shard is not None else None
+        if follower is not None:
+            follow(tp, follower)
         while (plan := tp.recv_plan()) is not None:
             runner.forward(plan)
     except RuntimeError as e:  # rank 0 (or a peer) went away mid-collective
         log.error("tp rank %d leaves the group: %s", rank, e)
         return 1
+    finally:
+        if follower is not None:  # pending disk writes land before exit
+            follower.close()
     tp.close(stop=False)
     log.info("tp rank %d stopped", rank)
     return 0

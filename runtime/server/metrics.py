@@ -151,6 +151,7 @@ def hicache_counters(stats: dict[str, Any]) -> dict[str, Any]:
         "hicache_writes_dropped_total": stats.get("hicache_writes_dropped", 0),
         "hicache_load_seconds_total": stats.get("hicache_load_seconds", 0.0),
         "hicache_loads_total": stats.get("hicache_loads", 0),
+        "hicache_shard_misses_total": stats.get("hicache_shard_misses", 0),  # --tp-size > 1
     }
 
 

@@ -169,5 +169,3 @@ def test_storage_dir_and_config_checks(monkeypatch, tmp_path: Path) -> None:
     for bad in ({"hicache_write_policy": "write_later"}, {"hicache_size": 0}):
         with pytest.raises(ValueError, match="hicache"):
             ServerConfig(**bad)
-    with pytest.raises(ValueError, match="tp-size"):
-        ServerConfig(enable_hierarchical_cache=True, tp_size=2)

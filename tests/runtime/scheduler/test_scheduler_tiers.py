@@ -95,3 +95,28 @@ def test_restart_loads_exact_kv(tmp_path: Path, policy: str, config: dict) -> No
     assert second.counters["prefill_tokens_computed"] < computed_cold
     assert sum(r.cached_tokens_disk for r in reqs) > 0  # reported per request
     second.kv.tiers.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_preempted_requests_kv_comes_back_from_disk(tmp_path: Path, policy: str) -> None:
+    """A pool too small for the load preempts; the victim's KV (prompt and generated tokens)
+    goes to the tree, then to disk as the pool evicts it, and its resumption loads it from
+    there instead of computing it again; outputs stay exact (serve checks them)."""
+    sched, _ = tiered_scheduler(
+        tmp_path, policy, max_total_tokens=400, schedule_conservativeness=0.05
+    )
+    match, resumed = sched.kv.match, []
+
+    def recording_match(req):
+        before = sched.kv.tiers.counters["hit_tokens"]
+        prefix, node = match(req)
+        loaded = sched.kv.tiers.counters["hit_tokens"] - before
+        if loaded and req.num_preemptions and len(prefix) > len(req.input_ids):
+            resumed.append((req.rid, loaded))  # its own generated tokens' KV, from disk
+        return prefix, node
+
+    sched.kv.match = recording_match
+    serve(sched)
+    assert sched.counters["preemptions"] > 0
+    assert resumed, "no preempted request loaded its KV from disk"
+    sched.kv.tiers.close()
