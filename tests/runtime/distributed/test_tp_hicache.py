@@ -1,20 +1,116 @@
 """The disk tier under tensor parallelism (runtime/cache/tier_shards.py,
-runtime/distributed/tier_ranks.py) on SmolLM2 with two ranks on loopback: each rank stores its
-own KV heads in its own shard of the store; a server restarted (SIGTERM) with the same tp size
-loads every rank's shard, one with another tp size reads none. The shard logic without a model
-or ranks: tests/runtime/cache/test_tier_shards.py."""
+runtime/distributed/tier_ranks.py):
+
+- two gloo ranks without a model (rank 1 a subprocess with a pool of bytes): rank 0's tier
+  sends its saves, prefetches and loads with the plan broadcast; rank 1 stores its own pages in
+  its own shard and loads them into the slots rank 0 chose;
+- (slow) SmolLM2 with two ranks on loopback: a server restarted (SIGTERM) with the same tp
+  size loads every rank's shard, one with another tp size reads none.
+
+The shard logic without ranks: tests/runtime/cache/test_tier_shards.py."""
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
 
-from conftest import start_server
+from conftest import die_with_parent, start_server
+from radixflow.runtime.cache.disk_store import DiskStore
+from radixflow.runtime.cache.kv_pool import KVPool
+from radixflow.runtime.cache.radix_cache import RadixCache
+from radixflow.runtime.cache.tiered import DiskTier
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
+ROW, BLOCK, SLOTS = 8, 4, 64
+RANK1 = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import numpy as np
+    import torch
+    from radixflow.runtime.cache.disk_store import DiskStore
+    from radixflow.runtime.cache.tier_shards import ShardFollower
+    from radixflow.runtime.distributed.tensor_parallel import TensorParallel
+    from radixflow.runtime.distributed.tier_ranks import follow
+
+    class Pages:  # rank 1's pool: each slot's row starts as its own bytes (other KV heads)
+        data = ((np.arange(64)[:, None] * 3 + np.arange(8)) % 251).astype(np.uint8)
+        def read(self, slots): return self.data[slots].copy()
+        def write(self, slots, rows): self.data[slots] = rows
+
+    addr, root = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    tp = TensorParallel.join(1, 2, addr, 30.0, torch.device("cpu"))
+    pages = Pages()
+    shard = ShardFollower(DiskStore(root, b"1" * 16, 1 << 30, {"tp_rank": 1}), pages, 4)
+    follow(tp, shard)
+    assert tp.recv_plan() is None  # no step: the tier's commands, then the stop
+    shard.close()
+    tp.close(stop=False)
+    np.save(root / "rank1.npy", pages.data)
+    """
+)
+
+
+class RankZeroPages:
+    def __init__(self) -> None:
+        self.data = np.zeros((SLOTS, ROW), dtype=np.uint8)
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        return self.data[slots].copy()
+
+    def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        self.data[slots] = rows
+
+
+def test_rank0_drives_rank1s_shard_through_the_plan_broadcast(tmp_path: Path) -> None:
+    from radixflow.runtime.distributed.tensor_parallel import TensorParallel
+    from radixflow.runtime.distributed.tier_ranks import TierRanks
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    rank1 = subprocess.Popen(
+        [sys.executable, "-c", RANK1, addr, str(tmp_path)], preexec_fn=die_with_parent()
+    )
+    try:
+        tp = TensorParallel.join(0, 2, addr, 30.0, torch.device("cpu"), listener.detach())
+        pool, pages = KVPool(SLOTS, 1), RankZeroPages()
+        store = DiskStore(tmp_path, b"0" * 16, 1 << 30, {"tp_rank": 0})
+        tier = DiskTier(RadixCache(pool), pool, store, pages, "write_back", BLOCK)
+        tier.shards = TierRanks(tp)
+        tokens = np.arange(30, 30 + 2 * BLOCK + 1)
+        first = np.asarray(pool.alloc_pages(len(tokens)), np.int64)  # the "forward's" slots
+        pages.write(first, np.full((len(tokens), ROW), 7, np.uint8))
+        tier.tree.insert(tokens, first)
+        pool.decref(first.tolist())
+        assert tier.tree.evict(SLOTS) == len(tokens)  # write-back on both ranks
+        tier.prefetch(tokens)
+        prefix, node = tier.tree.match_prefix(tokens)
+        assert tier.load(tokens, prefix, node, pool.alloc_pages) == 2 * BLOCK
+        loaded, _ = tier.tree.match_prefix(tokens)
+        assert not set(loaded.tolist()) & set(first.tolist())  # new slots
+        tier.close()
+        tp.close()  # the stop
+        assert rank1.wait(60) == 0
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+    rank1_pages = np.load(tmp_path / "rank1.npy")
+    original = (first[: 2 * BLOCK, None] * 3 + np.arange(ROW)) % 251
+    assert np.array_equal(rank1_pages[loaded], original)  # its own rows, in rank 0's slots
+    names = [
+        sorted(p.name for p in (tmp_path / fp.hex()).rglob("*.kv")) for fp in (b"0" * 16, b"1" * 16)
+    ]
+    assert names[0] == names[1] and len(names[0]) == 2
 
 
 def long_text(num_words: int) -> str:
