@@ -5,7 +5,9 @@ Rank 0 is the scheduler process (or the offline Engine's process): it schedules,
 each forward it broadcasts the step's plan (token ids, positions, slots, logit rows, KV
 copies) to ranks 1..N-1 (runtime/distributed/tp_worker.py), which run the same forward on their
 shard with their own KV pools, numbered like rank 0's, so the radix tree is unchanged. Sampling
-happens once, on rank 0, from the logits gathered there.
+happens once, on rank 0, from the logits gathered there. Between steps rank 0 may send other
+commands (`send_command`; ranks 1..N-1 run them through `on_command`): the disk tier's, so each
+rank saves and loads its own shard of the store (tier_ranks.py).
 
 Two process groups:
 - control (the default group, always gloo on the CPU): plans, the KV pool size, pings and
