@@ -151,6 +151,17 @@ class Layout:
         self._pos += n
         return text.decode("utf-8", "replace")
 
+    def _skip_strings(self, count: int) -> None:
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if self._pos + 8 > len(self._data):
+                self._need(8)
+            (n,) = length(self._data, self._pos)
+            self._pos += 8
+            if self._pos + n > len(self._data):
+                self._need(n)
+            self._pos += n
+
     def _value(self, kind: int, keep: bool) -> Any:
         if kind in SCALARS:
             return self._read("<" + SCALARS[kind])[0]
@@ -163,6 +174,9 @@ class Layout:
             size = struct.calcsize(SCALARS[item]) * count
             self._need(size)
             self._pos += size
+            return None
+        if item == STRING and not keep:  # a vocabulary: lengths read, text never decoded
+            self._skip_strings(count)
             return None
         values = [self._value(item, keep) for _ in range(count)]
         return values if keep else None
