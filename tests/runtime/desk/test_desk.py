@@ -121,9 +121,12 @@ def gone(pid: int, within: float = 30.0) -> bool:
 
 
 def unloaded(desk: SimpleNamespace, name: str, within: float = 30.0) -> bool:
+    """Whether the model is unloaded within `within` seconds: gone from /api/ps, and its
+    server exited (a model stopping still counts against the cap)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if name not in loaded(desk):
+        state = desk.http.get("/health").json()["models"][name]
+        if state == "unloaded" and name not in loaded(desk):
             return True
         time.sleep(0.1)
     return False
@@ -256,6 +259,7 @@ def stream_tiny(desk: SimpleNamespace, prompt: str, new: int, started: threading
     return text
 
 
+@pytest.mark.slow  # a third model start (~10 s on a quiet machine)
 def test_streams_are_unchanged_while_another_model_loads_and_unloads(
     desk: SimpleNamespace,
 ) -> None:
