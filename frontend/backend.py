@@ -47,10 +47,18 @@ READY_ADDRESSES = re.compile(r"(https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size:
 CONTROL_TIMEOUT_S = 60.0  # model info, stats, health, abort when the endpoint sets no timeout
 
 
-def open_transport(address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> Transport:
-    """HTTP for http:// and https:// addresses, ZeroMQ (tcp://, ipc://) for the others."""
+def open_transport(
+    address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS, model: str | None = None
+) -> Transport:
+    """HTTP for http:// and https:// addresses, ZeroMQ (tcp://, ipc://) for the others. A
+    `model` name is for a server of several models (HTTP only)."""
     if address.startswith(("http://", "https://")):
-        return HttpTransport(address, api_key, liveness)
+        return HttpTransport(address, api_key, liveness, model)
+    if model is not None:
+        raise ValueError(
+            "RuntimeEndpoint(model=...) names a model of a server of several models, which "
+            "speaks HTTP only: give its http:// address"
+        )
     return ZmqTransport(address, api_key, liveness)
 
 
@@ -62,7 +70,9 @@ class RuntimeEndpoint:
     connection, a server killed). `timeout` None (the default, as SGLang's): generation,
     score and cache calls wait as long as the server reports their request alive, and log why
     when they wait long (`liveness`); the other calls wait CONTROL_TIMEOUT_S. `timeout` may be
-    changed later."""
+    changed later. `model` names one model of a server of several (`radixflow serve
+    --model-path NAME=PATH ...`, HTTP only): every call names it (`model` in /generate
+    bodies, `?model=` on the others); None: the server's own, or its first."""
 
     def __init__(
         self,
@@ -70,9 +80,11 @@ class RuntimeEndpoint:
         api_key: str | None = None,
         timeout: float | None = None,
         liveness: Liveness = DEFAULT_LIVENESS,
+        model: str | None = None,
     ) -> None:
         self.address, self.api_key, self.timeout = address, api_key, timeout
-        self.transport = open_transport(address, api_key or "", liveness)
+        self.model = model
+        self.transport = open_transport(address, api_key or "", liveness, model)
         weakref.finalize(self, self.transport.close)  # an endpoint never closed stops anyway
         self._model_info: dict[str, Any] | None = None
 

@@ -49,10 +49,20 @@ CODE_OF_STATUS = {400: ERROR_INVALID_REQUEST, 401: ERROR_UNAUTHORIZED, 503: ERRO
 class HttpTransport:
     """`Transport` over one pooled httpx client (see `Transport` for what blocks and raises)."""
 
-    def __init__(self, address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> None:
+    def __init__(
+        self,
+        address: str,
+        api_key: str,
+        liveness: Liveness = DEFAULT_LIVENESS,
+        model: str | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.address = address.rstrip("/")
-        self.client = httpx.Client(base_url=self.address, headers=headers, timeout=None)
+        self.model = model  # one model of a server of several: named on every call
+        params = {"model": model} if model is not None else None
+        self.client = httpx.Client(
+            base_url=self.address, headers=headers, timeout=None, params=params
+        )
         self.score_route = True  # until a 404 says the server has no /radixflow/score
         self.watcher = Watcher(self, liveness)
 
@@ -63,10 +73,14 @@ class HttpTransport:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's /generate answers a list for sampling n > 1."""
         with self.watcher.waiting(request.rid or "generate"):
-            return self._json("POST", "/generate", _generate_body(request), timeout)
+            return self._json("POST", "/generate", self._body(request), timeout)
+
+    def _body(self, request: GenerateRequest) -> dict[str, Any]:
+        body = _generate_body(request)
+        return body if self.model is None else {**body, "model": self.model}
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
-        body, seen = {**_generate_body(request), "stream": True}, 0
+        body, seen = {**self._body(request), "stream": True}, 0
         with self.watcher.waiting(request.rid or "generate (streamed)") as call:
             for event in self._events("/generate", body, timeout):
                 meta, seen = _new_logprobs(dict(event.get("meta_info") or {}), seen)

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
+from radixflow.runtime.desk.catalog import is_desk, single_model
+from radixflow.runtime.desk.serve import serve_desk
 from radixflow.runtime.distributed.data_parallel import serve_data_parallel
 from radixflow.runtime.protocol.transport import IpcAddresses
 from radixflow.runtime.server import serve
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         from radixflow.runtime.distributed.tp_worker import serve_node  # noqa: PLC0415 (torch)
 
         return serve_node(config)
+    if is_desk(config):  # several models, each its own child server (runtime/desk/)
+        return serve_desk(config, args.log_level)
+    config = single_model(config)
     if config.dp_size > 1:
         return serve_data_parallel(config, args.log_level)
     return serve.serve(config, args.log_level)

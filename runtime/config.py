@@ -44,7 +44,9 @@ class ServerConfig:
     model_path: str = _knob(
         "smollm2",
         "'smollm2', a .gguf file, a local Hugging Face directory, or a hub id found in the "
-        "local Hugging Face cache (HF_HOME / HF_HUB_CACHE; never downloaded); also --model",
+        "local Hugging Face cache (HF_HOME / HF_HUB_CACHE; never downloaded); also --model. "
+        "Given several times as NAME=PATH (or NAME=PATH,NAME=PATH), several models are served "
+        "behind one front door, each loaded on demand (docs/models.md, 'Several models')",
     )
     revision: str = _knob("", "branch, tag or commit of a hub id in the local cache ('' = main)")
     served_model_name: str = _knob("", "model name reported to clients; '' = --model-path")
@@ -265,6 +267,23 @@ class ServerConfig:
     router_policy: str = _knob(
         "cache_aware", "with --dp-size: sglang-router's --policy (cache_aware, round_robin, ...)"
     )
+    models_dir: str = _knob(
+        "",
+        "serve every model in this folder behind one front door, each loaded on demand: a "
+        ".gguf file under its file name's stem, a Hugging Face directory under its name",
+    )
+    keep_alive: str = _knob(
+        "5m",
+        "several models: how long an idle model stays loaded (Ollama's durations: 5m, 1h30m, "
+        "or seconds; 0 = unloaded after each request; -1 = never); a request's keep_alive "
+        "(Ollama's field) overrides it for its model",
+    )
+    models_memory: str = _knob(
+        "",
+        "several models: the memory the loaded models may take together (8G, 512M, bytes); "
+        "'' = the available RAM at start less 5%% of the total; idle models are unloaded "
+        "least recently used first to make room",
+    )
     tp_size: int = _knob(
         1,
         "tensor-parallel ranks: one model sharded Megatron-style over torch.distributed (gloo "
@@ -417,6 +436,18 @@ def fixed_threads(config: ServerConfig) -> int:
     return 0 if config.num_threads == "auto" else int(config.num_threads)
 
 
+class JoinRepeated(argparse.Action):
+    """A flag given several times: its values joined by commas (the first replaces the
+    default)."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
+        seen = f"_{self.dest}_given"
+        if getattr(namespace, seen, False):
+            value = f"{getattr(namespace, self.dest)},{value}"
+        setattr(namespace, seen, True)
+        setattr(namespace, self.dest, value)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per ServerConfig field (`--max-total-tokens`, `--disable-radix-cache`),
     and the ALIASES' old flags (`--model` for `--model-path`)."""
@@ -429,6 +460,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_text}
         if f.type in (bool, "bool"):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+        elif f.name == "model_path":  # several: NAME=PATH each, joined by commas
+            parser.add_argument(*flags, action=JoinRepeated, **kw)
         else:
             parser.add_argument(*flags, type={"int": int, "float": float, "str": str}[f.type], **kw)
 

@@ -36,13 +36,14 @@ LAYER_OF = {
     "radixflow.runtime.model_executor": "model_executor",
     "radixflow.runtime.models": "models",
     "radixflow.runtime.distributed": "distributed",
+    "radixflow.runtime.desk": "desk",
     "radixflow.kernels": "kernels",
     "radixflow.lab": "lab",
     "radixflow.bench": "bench",
 }
 RUNTIME = {
     "runtime", "protocol", "config", "tokenizer", "server", "scheduler", "cache",
-    "constrained", "model_executor", "models", "distributed",
+    "constrained", "model_executor", "models", "distributed", "desk",
 }  # fmt: skip
 # layer -> the layers it may import (itself always)
 ALLOWED = {
@@ -66,12 +67,17 @@ ALLOWED = {
         "config",
         "tokenizer",
     },  # fmt: skip
+    # several models behind one door: it reuses the doors' error shapes and the replicas'
+    # process plumbing; its planning child (desk.plan) reads checkpoints (function-level)
+    "desk": {"server", "distributed", "model_executor", "models", "protocol", "config"},
     "runtime": RUNTIME | {"kernels"},
     "kernels": set(),
     "bench": RUNTIME | {"frontend", "kernels"},
     "lab": RUNTIME | {"frontend", "kernels", "bench"},
 }
-TORCH_FREE = {"frontend", "config", "protocol", "cache", "constrained", "scheduler", "server"}
+TORCH_FREE = {
+    "frontend", "config", "protocol", "cache", "constrained", "scheduler", "server", "desk",
+}  # fmt: skip
 HEAVY = ("torch", "triton", "transformers")
 
 

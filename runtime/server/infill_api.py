@@ -48,6 +48,12 @@ ANY = ("model", "cache_prompt", "id_slot", "samplers", "repeat_last_n", "return_
 RAW = ChatPlan("", {}, None, None, False)  # a prompt taken as is: no template, tools, thinking
 
 
+def infill_error(e: HttpError) -> web.Response:
+    """An HttpError in llama.cpp's shape: {"error": {"code", "message", "type"}}."""
+    kind = "invalid_request_error" if e.status < 500 else "server_error"
+    return json_response({"error": {"code": e.status, "message": str(e), "type": kind}}, e.status)
+
+
 class InfillRoutes:
     """`POST /infill` on one HTTP door, over the door's OpenAI routes (choices_of)."""
 
@@ -56,16 +62,10 @@ class InfillRoutes:
         self.server = door.server
         self.openai = openai
         self.runner = ChatRunner(door)
-        door.error_shapes.append(("/infill", self.error))
+        door.error_shapes.append(("/infill", infill_error))
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/infill", self.infill)]
-
-    def error(self, e: HttpError) -> web.Response:
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return json_response(
-            {"error": {"code": e.status, "message": str(e), "type": kind}}, e.status
-        )
 
     async def infill(self, request: web.Request) -> web.StreamResponse:
         body = await self.door.body(request)

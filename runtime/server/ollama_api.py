@@ -79,6 +79,11 @@ def rfc3339(seconds: float | None = None) -> str:
     return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def ollama_error(e: HttpError) -> web.Response:
+    """An HttpError in Ollama's shape: {"error": message}."""
+    return json_response({"error": str(e)}, e.status)
+
+
 def human_count(count: int) -> str:
     """A parameter count as Ollama writes it: "134.52M", "8.0B"."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -115,7 +120,7 @@ class OllamaRoutes:
         self.openai = openai  # OpenAiRoutes: chat_job, choices_of, tokenize
         self.runner = ChatRunner(door)
         self.started = time.time()
-        door.error_shapes.append(("/api/", self.error))
+        door.error_shapes.append(("/api/", ollama_error))
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -127,9 +132,6 @@ class OllamaRoutes:
             web.get("/api/version", self.version),
             web.get("/", self.root),  # HEAD too; the app has no other root route
         ]
-
-    def error(self, e: HttpError) -> web.Response:
-        return json_response({"error": str(e)}, e.status)
 
     # ---- the model -------------------------------------------------------------------------
 
