@@ -14,7 +14,12 @@
  * through the caches (SmolLM2, 64 streams, 2 threads: a decode step 130 -> 124 ms). The
  * native kernels are called through the addresses kernels/cpu/native.py loaded (no second
  * copy), and the GIL is released for the whole loop. */
-#include <torch/extension.h>
+/* ATen's tensor and the one op used, and pybind's tensor casters: not torch/extension.h,
+ * whose whole C++ frontend (autograd, nn) took a third more time to compile. */
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
