@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Tokens of left context decoded with the first new token, so a tokenizer that drops a
 # leading space on the first token of a decode (SentencePiece) still emits it.
@@ -17,10 +18,19 @@ DETOKENIZE_CONTEXT = 5
 def load_tokenizer(model_dir: Path, chat_template: str = "") -> PreTrainedTokenizerBase:
     """The model's tokenizer; `chat_template` (a file, or a Jinja template string) replaces
     its chat template. Raises ValueError for a value that is neither."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: heavy, see preload)
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if chat_template:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def preload() -> None:
+    """Import what load_tokenizer needs (transformers, torch: seconds). The server calls it
+    once it has started its scheduler process, so the two processes' imports run side by side
+    instead of one after the other."""
+    import transformers  # noqa: F401, PLC0415 (transformers: heavy, imported while the scheduler loads)
 
 
 def read_chat_template(value: str) -> str:

@@ -83,6 +83,7 @@ from radixflow.runtime.server.validation import (
     RequestRules,
 )
 from radixflow.runtime.server.zmq_door import ZmqDoor
+from radixflow.runtime import tokenizer
 from radixflow.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger("radixflow.server")
@@ -154,6 +155,7 @@ class Server:
         """Start the scheduler, wait until it has loaded the model, bind the ZeroMQ socket.
         Returns its address (the HTTP door binds in `run`). Raises ServerStartError."""
         self.scheduler.spawn()
+        tokenizer.preload()  # its imports beside the scheduler process's
         while self.status != "ok":
             if self.draining:
                 raise ServerStartError("interrupted while starting")
