@@ -159,8 +159,12 @@ class OpenAiRoutes:
             self.adapter_card(name) if name in self.adapters() else self.card()
         )
 
-    def check_model(self, name: Any) -> None:
+    def check_model(self, name: Any, adapters: bool = True) -> None:
+        """404 for a model this server does not serve. A LoRA adapter's name is one on the
+        generation routes (`adapters`), a 400 on the others (embeddings: the base model's)."""
         known = {self.model_name(), self.server.model_info.get("model_path"), "default"}
+        if name in self.adapters() and not adapters:
+            raise HttpError(400, f"'{name}' is a LoRA adapter: this route serves the base", "model")
         if name is not None and name not in known and name not in self.adapters():
             raise HttpError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
