@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 from family_models import one_thread, save_family
+from gguf_models import build_model, write_gguf
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
@@ -23,7 +24,9 @@ from conftest import start_server
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.model_runner import load_model
 from radixflow.runtime.models.layers import CausalLM, ForwardBatch
+from radixflow.runtime.models.loader import resolve_model_dir
 from radixflow.runtime.models.lora import LoraError, LoraStore, load_adapter
+from radixflow.runtime.models.quantized import quant_layers
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.scheduler.lora_table import LoraTable
 from radixflow.runtime.scheduler.request import Req
@@ -43,7 +46,9 @@ def _t(values: Any) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int64)
 
 
-def save_adapter(hf_model: Any, root: Path, spec: tuple, fused: bool) -> tuple[Path, Any]:
+def save_adapter(
+    hf_model: Any, root: Path, spec: tuple, fused: bool, b_std: float = 0.2
+) -> tuple[Path, Any]:
     """A random PEFT adapter (B drawn too, so it changes the logits) saved under root/name;
     -> (its directory, PEFT's model with it applied)."""
     name, rank, alpha, rslora, only = spec
@@ -59,7 +64,7 @@ def save_adapter(hf_model: Any, root: Path, spec: tuple, fused: bool) -> tuple[P
     with torch.no_grad():  # PEFT's default B init is small; larger deltas show more
         for param_name, param in peft_model.named_parameters():
             if "lora_B" in param_name:
-                param.normal_(0.0, 0.2)
+                param.normal_(0.0, b_std)
     peft_model.save_pretrained(root / name)
     return root / name, peft_model
 
@@ -139,6 +144,33 @@ def test_logits_match_peft_alone_and_mixed(families, family):
             assert err < TOLERANCE, f"{family} mixed row {i} (adapter {ids[i]}): {err}"
         base = _reference(hf_model, seqs[0])
         assert (_reference(refs[1], seqs[0]) - base).abs().max() > 0.1, "adapter changes nothing"
+
+
+def test_lora_on_a_gguf_base_kept_quantized(tmp_path):
+    """LoRA on top of quantized projections: a Q8_0 GGUF of the tiny Llama (its matrices
+    kept in blocks, fp32 activations) with an adapter gives the logits of the same file
+    dequantized to fp32 with the adapter (the path checked against PEFT above), within 1e-4
+    of the largest logit, beside a base row; the adapter moves them far more than that."""
+    source = build_model("llama")
+    write_gguf(tmp_path / "llama.gguf", source, "Q8_0")
+    # a milder adapter: a strong one amplifies the base's own quantized-vs-fp32 rounding
+    adapter_dir, _ = save_adapter(source, tmp_path, ADAPTERS[0], fused=False, b_std=0.05)
+    seqs = [_ids(70, 20), _ids(71, 15)]
+    logits = []
+    with one_thread():
+        model_dir = resolve_model_dir(str(tmp_path / "llama.gguf"))
+        for dequantize in (False, True):
+            config = ServerConfig(quantized_activations="fp32", dequantize_weights=dequantize)
+            model = load_model(model_dir, config, torch.device("cpu"), torch.float32)
+            assert bool(quant_layers(model)) != dequantize, "kept quantized or not, as asked"
+            store = LoraStore(model.config)
+            store.load(1, "a", str(adapter_dir))
+            logits.append(two_steps(model, store, seqs + seqs[:1], [1, 0, 0]))
+    (quantized, base, plain), (want, want_base, _) = logits
+    for got, ref in [(quantized, want), (base, want_base)]:
+        err = (got - ref).abs().max().item()
+        assert err <= TOLERANCE * ref.abs().max().item(), f"GGUF base: {err}"
+    assert (quantized - plain).abs().max() > 0.1, "the adapter changes nothing"
 
 
 def _corrupt(src: Path, dst: Path, change: str) -> Path:
@@ -315,7 +347,8 @@ def test_load_use_and_unload_through_the_routes(families, served):
     unloaded = post("/unload_lora_adapter", {"lora_name": "c"})
     assert unloaded.status_code == 200 and set(unloaded.json()["loaded_adapters"]) == {"a", "b"}
     gone = _generate(url, input_ids=ids, lora_path="c")
-    assert gone.status_code == 400 and "no LoRA adapter named 'c'" in gone.text
+    # refused by the server before it reaches the scheduler (which also refuses, unnamed)
+    assert gone.status_code == 400 and "named 'c' is loaded (loaded: ['a', 'b'])" in gone.text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt=ids, max_tokens=1)
     assert post("/unload_lora_adapter", {"lora_name": "c"}).status_code == 400
