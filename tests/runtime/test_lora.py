@@ -276,9 +276,9 @@ def _generate(url: str, **body: Any) -> httpx.Response:
     return httpx.post(url + "/generate", json={"sampling_params": GREEDY, **body}, timeout=120)
 
 
-def _greedy(model: Any, ids: list[int]) -> list[int]:
+def _greedy(model: Any, ids: list[int], num: int = MAX_NEW) -> list[int]:
     out = list(ids)
-    for _ in range(MAX_NEW):
+    for _ in range(num):
         out.append(int(_reference(model, out)[-1].argmax()))
     return out[len(ids) :]
 
@@ -352,3 +352,23 @@ def test_load_use_and_unload_through_the_routes(families, served):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="c", prompt=ids, max_tokens=1)
     assert post("/unload_lora_adapter", {"lora_name": "c"}).status_code == 400
+
+
+def test_load_and_unload_while_a_request_streams(families, served):
+    """An adapter loaded and unloaded while a request under another streams: the streamed
+    tokens are still PEFT's greedy continuation under its own adapter."""
+    _, _, adapters = families["llama"]
+    ids, params = _ids(80, 12), {**GREEDY, "max_new_tokens": 40}
+    body = {"input_ids": ids, "lora_path": "b", "sampling_params": params, "stream": True}
+    load = {"lora_name": "e", "lora_path": str(adapters["c"][0])}
+    events = []
+    with httpx.stream("POST", served.url + "/generate", json=body, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if len(events) == 1:  # mid-stream: load, then unload, another adapter
+                for path, sent in [("/load_lora_adapter", load), ("/unload_lora_adapter", load)]:
+                    done = httpx.post(served.url + path, json=sent, timeout=120)
+                    assert done.status_code == 200, done.text
+    assert len(events) > 2 and events[-1]["output_ids"] == _greedy(adapters["b"][1], ids, 40)
