@@ -21,6 +21,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from conftest import start_server
+from radixflow.runtime.cache.radix_cache import TOKEN_MASK
+from radixflow.runtime.cache.tiered import on_disk
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.model_runner import load_model
 from radixflow.runtime.models.layers import CausalLM, ForwardBatch
@@ -372,3 +374,11 @@ def test_load_and_unload_while_a_request_streams(families, served):
                     done = httpx.post(served.url + path, json=sent, timeout=120)
                     assert done.status_code == 200, done.text
     assert len(events) > 2 and events[-1]["output_ids"] == _greedy(adapters["b"][1], ids, 40)
+
+
+def test_only_the_base_models_kv_goes_to_the_disk_tier():
+    """Adapter ids are not stable across restarts: a key under an adapter never reaches the
+    disk tier (runtime/cache/tiered.py), the base model's keys do."""
+    base, adapter = (Req("r", [5, 6, 7], SamplingParams(), lora=lora) for lora in (0, 2))
+    assert on_disk(base.cache_key()) and not on_disk(adapter.cache_key())
+    assert (adapter.cache_key() & TOKEN_MASK).tolist() == [5, 6, 7]
