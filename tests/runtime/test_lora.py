@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from conftest import start_server
 from radixflow.runtime.cache.radix_cache import TOKEN_MASK
 from radixflow.runtime.cache.tiered import on_disk
-from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.cli import build_parser
+from radixflow.runtime.config import ServerConfig, config_from_args, lora_adapters
 from radixflow.runtime.model_executor.model_runner import load_model
 from radixflow.runtime.models.layers import CausalLM, ForwardBatch
 from radixflow.runtime.models.loader import resolve_model_dir
@@ -382,3 +383,16 @@ def test_only_the_base_models_kv_goes_to_the_disk_tier():
     base, adapter = (Req("r", [5, 6, 7], SamplingParams(), lora=lora) for lora in (0, 2))
     assert on_disk(base.cache_key()) and not on_disk(adapter.cache_key())
     assert (adapter.cache_key() & TOKEN_MASK).tolist() == [5, 6, 7]
+
+
+def test_lora_flags():
+    """--lora-paths takes several after one flag and repeats; bad lists and tensor
+    parallelism with adapters are refused at the command line."""
+    argv = ["serve", "--lora-paths", "a=/x", "b=/y", "--lora-paths", "/z"]
+    config = config_from_args(build_parser().parse_args(argv))
+    assert lora_adapters(config) == {"a": "/x", "b": "/y", "/z": "/z"}
+    for bad in (["a=/x", "a=/y"], ["=/x"], ["a="]):
+        with pytest.raises(ValueError, match="names unique"):
+            ServerConfig(lora_paths=bad)
+    with pytest.raises(ValueError, match="--tp-size > 1 is not supported"):
+        ServerConfig(lora_paths=["a=/x"], tp_size=2)
