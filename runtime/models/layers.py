@@ -224,9 +224,8 @@ class DecoderLayer(nn.Module):
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_offset
         hidden, x = add_rms_norm(hidden, self.input_norm, eps, offset, residual=residual)
-        attn = self._project(
-            "o_proj", self._attention(x, rope, batch, k_cache, v_cache, ops), batch
-        )
+        attn = self._attention(x, rope, batch, k_cache, v_cache, ops)
+        attn = self._project("o_proj", attn, batch)
         if c.sandwich_norm:
             attn = rms_norm(attn, self.post_attention_norm, eps, offset)
             hidden, x = add_rms_norm(attn, self.pre_feedforward_norm, eps, offset, residual=hidden)

@@ -261,6 +261,7 @@ def test_unload_is_refused_while_a_request_runs_under_the_adapter():
 # ---- the server --------------------------------------------------------------------------
 
 MAX_NEW = 8
+CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as it is
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 
 
@@ -270,7 +271,9 @@ def served(families) -> Any:
     chunks; adapter c is loaded through the route by a test."""
     path, _, adapters = families["llama"]
     lora = [f"{name}={adapters[name][0]}" for name in ("a", "b")]
-    options = dict(max_total_tokens=2048, chunked_prefill_size=16, log_level="warning")
+    options = dict(
+        max_total_tokens=2048, chunked_prefill_size=16, log_level="warning", chat_template=CHAT
+    )
     with start_server(model_path=str(path), lora_paths=lora, **options) as server:
         yield server
 
@@ -396,3 +399,32 @@ def test_lora_flags():
             ServerConfig(lora_paths=bad)
     with pytest.raises(ValueError, match="--tp-size > 1 is not supported"):
         ServerConfig(lora_paths=["a=/x"], tp_size=2)
+
+
+TEXT_OF = {  # a door's reply -> its text
+    "/v1/chat/completions": lambda data: data["choices"][0]["message"]["content"],
+    "/v1/messages": lambda data: data["content"][0]["text"],
+    "/v1/responses": lambda data: data["output"][0]["content"][0]["text"],
+}
+
+
+def test_chat_doors_pick_the_adapter_by_model(families, served):
+    """OpenAI chat, Anthropic Messages and OpenAI Responses bodies naming adapter b run under
+    it: the same greedy text from each, PEFT's, not the base model's."""
+    _, hf_model, adapters = families["llama"]
+    prompt = bytes(_ids(90, 10)).decode("latin-1")
+    ids = served.get_tokenizer().encode(prompt, add_special_tokens=False)
+    text = served.get_tokenizer().decode(_greedy(adapters["b"][1], ids), skip_special_tokens=True)
+    base = served.get_tokenizer().decode(_greedy(hf_model, ids), skip_special_tokens=True)
+    assert text != base
+    common = {"model": "b", "temperature": 0, "ignore_eos": True}
+    message = [{"role": "user", "content": prompt}]
+    bodies = {
+        "/v1/chat/completions": {**common, "messages": message, "max_tokens": MAX_NEW},
+        "/v1/messages": {**common, "messages": message, "max_tokens": MAX_NEW},
+        "/v1/responses": {**common, "input": prompt, "max_output_tokens": MAX_NEW},
+    }
+    for path, body in bodies.items():
+        reply = httpx.post(served.url + path, json=body, timeout=120)
+        assert reply.status_code == 200, (path, reply.text)
+        assert TEXT_OF[path](reply.json()) == text, path
