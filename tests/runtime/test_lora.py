@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from conftest import start_server
+from radixflow import RuntimeEndpoint
 from radixflow.runtime.cache.radix_cache import TOKEN_MASK
 from radixflow.runtime.cache.tiered import on_disk
 from radixflow.runtime.cli import build_parser
@@ -428,3 +429,17 @@ def test_chat_doors_pick_the_adapter_by_model(families, served):
         reply = httpx.post(served.url + path, json=body, timeout=120)
         assert reply.status_code == 200, (path, reply.text)
         assert TEXT_OF[path](reply.json()) == text, path
+
+
+def test_runtime_endpoint_picks_the_adapter_over_zeromq_and_http(families, served):
+    """The frontend's RuntimeEndpoint sends `lora_path` on both transports."""
+    _, _, adapters = families["llama"]
+    ids = _ids(95, 11)
+    want = _greedy(adapters["a"][1], ids)
+    for address in (served.address, served.url):
+        endpoint = RuntimeEndpoint(address, timeout=120)
+        try:
+            out = endpoint.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")
+            assert out["output_ids"] == want, address
+        finally:
+            endpoint.close()
