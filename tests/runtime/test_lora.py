@@ -15,13 +15,14 @@ import numpy as np
 import openai
 import pytest
 import torch
-from family_models import one_thread, save_family
+from family_models import VOCAB, one_thread, save_family
 from gguf_models import build_model, write_gguf
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from conftest import start_server
 from radixflow import RuntimeEndpoint
+from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import TOKEN_MASK
 from radixflow.runtime.cache.tiered import on_disk
 from radixflow.runtime.cli import build_parser
@@ -31,9 +32,11 @@ from radixflow.runtime.models.layers import CausalLM, ForwardBatch
 from radixflow.runtime.models.loader import resolve_model_dir
 from radixflow.runtime.models.lora import LoraError, LoraStore, load_adapter
 from radixflow.runtime.models.quantized import quant_layers
+from radixflow.runtime.protocol.plan import StepResult
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.scheduler.lora_table import LoraTable
 from radixflow.runtime.scheduler.request import Req
+from radixflow.runtime.scheduler.scheduler import Scheduler
 
 TOLERANCE = 1e-4
 SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -443,3 +446,46 @@ def test_runtime_endpoint_picks_the_adapter_over_zeromq_and_http(families, serve
             assert out["output_ids"] == want, address
         finally:
             endpoint.close()
+
+
+class RecordingRunner:
+    """A model runner that samples token 1 and records each step's distinct adapters."""
+
+    def __init__(self) -> None:
+        self.adapters_per_step: list[set[int]] = []
+
+    def forward(self, plan: Any) -> StepResult:
+        self.adapters_per_step.append(set(plan.lora_ids.tolist()) - {0})
+        count = len(plan.sample_rows)
+        return StepResult([1] * count, [0.0] * count, np.zeros(len(plan.logit_rows)))
+
+    def load_lora(self, uid: int, name: str, path: str) -> None:
+        pass
+
+    def unload_lora(self, uid: int) -> None:
+        pass
+
+
+def test_scheduler_steps_hold_at_most_max_loras_per_batch_adapters():
+    """Requests under three adapters and the base, all waiting at once, with 2 adapters a
+    step: no step holds more than 2, the third adapter's requests run once others end."""
+    config = ServerConfig(max_total_tokens=4096, max_loras_per_batch=2, self_check=True)
+    runner = RecordingRunner()
+    scheduler = Scheduler(
+        config, runner, KVPool(4096, 1), eos_token_ids=(0,), context_len=1000,
+        vocab_size=VOCAB, decode=lambda ids: "",
+    )  # fmt: skip
+    for name in "xyz":
+        scheduler.loras.load(name, f"/{name}", runner)
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    reqs = [
+        Req(f"r{i}", _ids(i, 9), params, lora=scheduler.loras.id_of(name))
+        for i, name in enumerate(["x", "", "y", "z", "x", "", "z"])
+    ]
+    for req in reqs:
+        scheduler.add_request(req)
+    while scheduler.has_work:
+        scheduler.step()
+    assert all(req.finished and len(req.output_ids) == 6 for req in reqs)
+    assert max(map(len, runner.adapters_per_step)) == 2
+    assert {1, 2, 3} == set().union(*runner.adapters_per_step)
