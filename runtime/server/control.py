@@ -37,6 +37,8 @@ def forward_lora(server: Any, identity: Any, msg: LoadLoraAdapter | UnloadLoraAd
     server._check_new(msg.rid)
     if not msg.lora_name:
         raise RequestError(ERROR_INVALID_REQUEST, "lora_name must be a non-empty string")
+    if msg.lora_name == server.model_info.get("model"):  # `model` would be ambiguous
+        raise RequestError(ERROR_INVALID_REQUEST, "lora_name must differ from the base model's")
     if isinstance(msg, LoadLoraAdapter) and not msg.lora_path:
         raise RequestError(ERROR_INVALID_REQUEST, "lora_path must be a non-empty string")
     job = FlushJob(identity, msg.rid)  # answered by the scheduler's one reply
