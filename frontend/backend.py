@@ -101,9 +101,11 @@ class RuntimeEndpoint:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """-> {"text", "output_ids", "meta_info"} once the request finished; a list of n of
-        them for sampling_params n > 1 (the n share the prompt's KV: it is prefilled once)."""
+        them for sampling_params n > 1 (the n share the prompt's KV: it is prefilled once).
+        `lora_path`: the name of a LoRA adapter loaded on the server (None: the base model)."""
         request = GenerateRequest(
             text,
             input_ids,
@@ -112,6 +114,7 @@ class RuntimeEndpoint:
             logprob_start_len,
             top_logprobs_num,
             rid,
+            lora_path,
         )
         return self.transport.generate(request, self._timeout(timeout))
 
@@ -126,6 +129,7 @@ class RuntimeEndpoint:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Yields {"text" (cumulative), "output_ids" (cumulative), "meta_info" (logprobs only
         for the new tokens), "finished"}; the last item has finished=True and the final text.
@@ -138,6 +142,7 @@ class RuntimeEndpoint:
             logprob_start_len,
             top_logprobs_num,
             rid,
+            lora_path,
         )
         return self.transport.generate_stream(request, self._timeout(timeout))
 

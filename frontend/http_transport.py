@@ -347,4 +347,6 @@ def _generate_body(request: GenerateRequest) -> dict[str, Any]:
         )
     if request.rid is not None:
         body["rid"] = request.rid
+    if request.lora_path is not None:
+        body["lora_path"] = request.lora_path
     return body

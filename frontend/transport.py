@@ -35,6 +35,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | None = None
+    lora_path: str | None = None  # a LoRA adapter loaded on the server, by name
 
 
 @dataclass(frozen=True)

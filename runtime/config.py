@@ -301,9 +301,21 @@ class ServerConfig:
     dist_timeout: float = _knob(
         60.0, "seconds a collective inside the forward waits for a stuck rank before failing"
     )
+    lora_paths: tuple[str, ...] = _knob(
+        (),
+        "LoRA adapters loaded at start, each NAME=PATH (or PATH, named by itself): PEFT "
+        "directories (adapter_config.json + adapter_model.safetensors); several after one flag "
+        "or the flag repeated. Requests pick one by name (lora_path, or an OpenAI model)",
+    )
+    max_loras_per_batch: int = _knob(
+        8, "most distinct LoRA adapters in one step; requests under others wait for a later one"
+    )
+    max_lora_rank: int = _knob(0, "largest rank a LoRA adapter may have (0 = any)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_threads", str(self.num_threads).strip().lower())
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))  # a list from JSON
+        lora_names = list(lora_adapters(self))
         checks = [
             (
                 self.num_threads == "auto" or self.num_threads.isdigit(),
@@ -392,6 +404,16 @@ class ServerConfig:
                 "dist_init_addr must be host:port",
             ),
             (self.dist_timeout > 0, "dist_timeout must be > 0"),
+            (
+                all(lora_names) and len(set(lora_names)) == len(self.lora_paths),
+                "--lora-paths: each NAME=PATH needs a name and a path, names unique",
+            ),
+            (self.max_loras_per_batch >= 1, "max_loras_per_batch must be >= 1"),
+            (self.max_lora_rank >= 0, "max_lora_rank must be >= 0"),
+            (
+                not self.lora_paths or self.tp_size == 1,
+                "--lora-paths with --tp-size > 1 is not supported (adapters are not sharded)",
+            ),
             (self.tp_size == 1 or self.dp_size == 1, "--tp-size with --dp-size is not supported"),
             (self.hicache_storage_backend == "file", "hicache_storage_backend must be file"),
             (self.hicache_size > 0, "hicache_size must be > 0 (GB)"),
@@ -410,6 +432,12 @@ class ServerConfig:
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def lora_adapters(config: ServerConfig) -> dict[str, str]:
+    """--lora-paths as {name: path}: NAME=PATH, or PATH named by itself (SGLang's forms)."""
+    pairs = [entry.partition("=") for entry in config.lora_paths]
+    return {name: path if sep else name for name, sep, path in pairs if not sep or path}
 
 
 def _is_host_port(addr: str) -> bool:
@@ -462,6 +490,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif f.name == "model_path":  # several: NAME=PATH each, joined by commas
             parser.add_argument(*flags, action=JoinRepeated, **kw)
+        elif f.type == "tuple[str, ...]":  # several values after the flag, or it repeated
+            kw["default"] = list(f.default)
+            parser.add_argument(*flags, nargs="+", action="extend", **kw)
         else:
             parser.add_argument(*flags, type={"int": int, "float": float, "str": str}[f.type], **kw)
 

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime import models
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig, fixed_threads
+from radixflow.runtime.config import ServerConfig, fixed_threads, lora_adapters
 from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend
@@ -157,9 +157,11 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         prefault=not config.disable_kv_prefault,
         governor=governor(config, device, loaded.tp is not None),
         kv_dtype=kv_pool_dtype(sizing),
+        max_lora_rank=config.max_lora_rank,
     )
     if loaded.tp is not None:  # each step goes to ranks 1..N-1 first (tensor_parallel.py)
         runner.forward = functools.partial(loaded.tp.run_step, runner.forward)
+        runner.loras = None  # adapters are not sharded: refused (ServerConfig, load_lora)
     eos = eos_token_ids(tokenizer, hf_config)
     speculator = None
     if config.speculative_algorithm == "draft":  # a second model in this process
@@ -184,6 +186,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         speculator=speculator,
         tiers=tiers,
     )
+    for name, path in lora_adapters(config).items():  # LoraError (a ValueError): no start
+        scheduler.loras.load(name, path, runner)
     info = {
         "model": config.served_model_name or config.model_path,
         "model_path": str(model_dir),
@@ -213,6 +217,7 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "is_encoder": encoder,
         "is_embedding": config.is_embedding,
         "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
+        "lora_adapters": dict(scheduler.loras.paths),  # at start; the server follows changes
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

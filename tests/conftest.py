@@ -171,6 +171,8 @@ def serve_flags(config: dict[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):  # --lora-paths A=x B=y
+            flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
     return flags

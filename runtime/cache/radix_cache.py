@@ -8,6 +8,9 @@ tree, protected meaning "on a path some request has locked".
 
 A lower tier (tiered.py) sees every leaf before it is deleted (`on_evict`).
 
+Keys may carry a namespace above the token id (NAMESPACE_SHIFT): one tree, disjoint per
+namespace.
+
 Pages: every node holds one pool reference on each distinct page its slots live in, so a page
 split between two nodes stays live until both are gone.
 """
@@ -23,6 +26,11 @@ import numpy as np
 from radixflow.runtime.cache.kv_pool import KVPool
 
 EMPTY = np.zeros(0, dtype=np.int64)
+# Keys are token ids moved into a namespace: id + (namespace << NAMESPACE_SHIFT). A LoRA
+# adapter's requests key under its own (scheduler/request.py `cache_key`), so no match ever
+# crosses from one adapter's KV to another's; namespace 0 is the base model's plain ids.
+NAMESPACE_SHIFT = 32
+TOKEN_MASK = (1 << NAMESPACE_SHIFT) - 1
 
 
 class Node:

@@ -30,7 +30,12 @@ import numpy as np
 
 from radixflow.runtime.cache.disk_store import DiskStore
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.cache.radix_cache import Node, RadixCache, common_prefix_len
+from radixflow.runtime.cache.radix_cache import (
+    NAMESPACE_SHIFT,
+    Node,
+    RadixCache,
+    common_prefix_len,
+)
 from radixflow.runtime.cache.tier_shards import Shards
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -65,6 +70,12 @@ def path_of(node: Node) -> tuple[np.ndarray, np.ndarray]:
     if not keys:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     return np.concatenate(keys[::-1]), np.concatenate(values[::-1])
+
+
+def on_disk(key: np.ndarray) -> bool:
+    """Whether KV of `key` may live on disk: the base model's only. A LoRA adapter's keys
+    carry its id (radix_cache.NAMESPACE_SHIFT), which is not stable across restarts."""
+    return not len(key) or not int(key[0]) >> NAMESPACE_SHIFT
 
 
 def resident_len(tree: RadixCache, key: np.ndarray) -> int:
@@ -104,6 +115,8 @@ class DiskTier:
         """Load the blocks of `key` that follow its pool match (`prefix` slots, ending at
         `node`) from disk into pool pages taken with `take(count)` (None: no room), insert
         them into the tree; return the tokens added. `node` is locked meanwhile."""
+        if not on_disk(key):
+            return 0
         size, block = self.pool.page_size, self.block_tokens
         matched = len(prefix)
         first = matched // block
@@ -160,6 +173,8 @@ class DiskTier:
     def prefetch(self, key: np.ndarray) -> None:
         """Start reading the blocks of `key` past its pool match (a request that waits)."""
         block = self.block_tokens
+        if not on_disk(key):
+            return
         keys = chain_keys(self.store.fingerprint, key, block)
         first = resident_len(self.tree, key) // block
         found = first
@@ -196,6 +211,8 @@ class DiskTier:
         """Copy out and queue every whole block of `key` that ends after `known` and is not
         stored yet."""
         block = self.block_tokens
+        if not on_disk(key):
+            return
         keys = chain_keys(self.store.fingerprint, key, block)
         saved = []
         for i in range(known // block, len(keys)):

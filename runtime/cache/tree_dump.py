@@ -1,14 +1,15 @@
 """The radix tree as plain data (msgpack-safe), for the scheduler's idle stats (`radix_tree`)
 and `radixflow tree`. Nodes are listed breadth first, biggest subtree first, each with its
 parent, token count, lock count (ref), last access (the tree's logical clock: larger is more
-recent) and the decoded start of its run. Torch-free."""
+recent) and the decoded start of its run (and `lora`, the adapter id, for a LoRA adapter's
+KV: its keys' namespace). Torch-free."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from radixflow.runtime.cache.radix_cache import Node, RadixCache
+from radixflow.runtime.cache.radix_cache import NAMESPACE_SHIFT, TOKEN_MASK, Node, RadixCache
 
 MAX_NODES = 200
 LABEL_TOKENS = 12
@@ -27,7 +28,7 @@ def dump_tree(
         if len(nodes) >= max_nodes:
             continue
         index = len(nodes)
-        head = node.key[:LABEL_TOKENS].tolist()
+        head = (node.key[:LABEL_TOKENS] & TOKEN_MASK).tolist()  # the ids, less any namespace
         nodes.append(
             {
                 "id": index,
@@ -39,6 +40,8 @@ def dump_tree(
                 "text": decode(head) if head else "",
             }
         )
+        if len(node.key) and node.key[0] >> NAMESPACE_SHIFT:  # a LoRA adapter's KV
+            nodes[-1]["lora"] = int(node.key[0] >> NAMESPACE_SHIFT)
         children = sorted(node.children.values(), key=lambda n: -subtree_tokens(n))
         queue += [(child, index) for child in children]
     return {

@@ -110,6 +110,8 @@ def replica_flags(config: ServerConfig) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, tuple):
+            flags += [flag, *value]
         else:
             flags += [flag, str(value)]
     return flags

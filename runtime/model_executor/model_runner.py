@@ -30,6 +30,7 @@ from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.bert import Encoder, EncoderConfig
 from radixflow.runtime.models.layers import CausalLM, ModelConfig
 from radixflow.runtime.models.loader import gguf_source, load_hf_config, weight_files
+from radixflow.runtime.models.lora import LoraError, LoraStore
 from radixflow.runtime.models.prepack import prepack
 from radixflow.runtime.models.progress import Progress
 from radixflow.runtime.models.rope import Rope
@@ -248,8 +249,11 @@ class ModelRunner:
         prefault: bool = False,
         governor: ThreadGovernor | None = None,
         kv_dtype: torch.dtype | None = None,
+        max_lora_rank: int = 0,
     ) -> None:
         self.model = model
+        # LoRA adapters by id (models/lora.py); None where they cannot apply (an encoder)
+        self.loras = LoraStore(model.config, max_lora_rank) if model.stores_kv else None
         self.governor = governor  # --num-threads auto: threads follow the free cores
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -311,9 +315,11 @@ class ModelRunner:
             copy_slots(self.v_caches, src, dst)
         hidden = None
         with torch.inference_mode():
-            logits = self.graphs.replay(plan) if self.graphs is not None else None
+            graphs = self.graphs if not len(plan.lora_ids) else None  # graphs know no LoRA
+            logits = graphs.replay(plan) if graphs is not None else None
             if logits is None:
                 batch = self.inputs.forward_batch(plan)
+                batch.lora = self.loras.batch(plan.lora_ids) if self.loras is not None else None
                 if self.split is not None:
                     self.split.start(len(batch.input_ids), batch.num_extend_tokens == 0)
                 logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32
@@ -324,6 +330,16 @@ class ModelRunner:
             result = self._postprocess(logits, plan)
             result.hidden = hidden
             return result
+
+    def load_lora(self, uid: int, name: str, path: str) -> None:
+        """Load a PEFT adapter under `uid` (the scheduler's LoraTable's); raises LoraError."""
+        if self.loras is None:
+            raise LoraError("LoRA adapters apply to a decoder served on one rank only")
+        self.loras.load(uid, name, path)
+
+    def unload_lora(self, uid: int) -> None:
+        if self.loras is not None:
+            self.loras.unload(uid)
 
     def _postprocess(self, logits: torch.Tensor, plan: BatchPlan) -> StepResult:
         has = plan.logprob_targets >= 0  # (R,) host-side: no device sync to decide

@@ -26,6 +26,7 @@ from radixflow.kernels import AttentionOps
 from radixflow.kernels.cpu import native
 from radixflow.kernels.cpu.decode_loop import DecodeLoop
 from radixflow.runtime.models import UnsupportedModelError, prepack
+from radixflow.runtime.models.lora import LoraBatch
 from radixflow.runtime.models.rope import ROPE_TYPES, Rope, apply_rope, rope_qk
 from radixflow.runtime.models.weights import load_weights
 
@@ -157,6 +158,7 @@ class ForwardBatch:
     hidden_states: torch.Tensor | None = None  # (H, hidden) fp32, set by the forward
     # backend index layouts, derived once per forward: {("extend" | "decode", window): layout}
     layouts: dict[tuple[str, int], Any] = field(default_factory=dict)
+    lora: LoraBatch | None = None  # the rows under LoRA adapters, by adapter (models/lora.py)
 
 
 def rms_norm(
@@ -190,7 +192,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         c = config
-        self.config, self.window = c, c.window(layer)
+        self.config, self.window, self.index = c, c.window(layer), layer
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.post_attention_norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -222,21 +224,29 @@ class DecoderLayer(nn.Module):
         c = self.config
         eps, offset = c.rms_norm_eps, c.norm_offset
         hidden, x = add_rms_norm(hidden, self.input_norm, eps, offset, residual=residual)
-        attn = self.o_proj(self._attention(x, rope, batch, k_cache, v_cache, ops))
+        attn = self._attention(x, rope, batch, k_cache, v_cache, ops)
+        attn = self._project("o_proj", attn, batch)
         if c.sandwich_norm:
             attn = rms_norm(attn, self.post_attention_norm, eps, offset)
             hidden, x = add_rms_norm(attn, self.pre_feedforward_norm, eps, offset, residual=hidden)
-            return rms_norm(self._mlp(x), self.post_feedforward_norm, eps, offset), hidden
+            return rms_norm(self._mlp(x, batch), self.post_feedforward_norm, eps, offset), hidden
         hidden, x = add_rms_norm(attn, self.post_attention_norm, eps, offset, residual=hidden)
-        return self._mlp(x), hidden
+        return self._mlp(x, batch), hidden
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def _project(self, name: str, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The projection `name` of x, plus the LoRA deltas of the batch's adapter rows."""
+        out = getattr(self, name)(x)
+        if batch.lora is not None:
+            batch.lora.add(self.index, name, x, out)
+        return out
+
+    def _mlp(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate_up = self._project("gate_up_proj", x, batch)
         fused = native.silu_mul(gate_up) if self.act is F.silu else None
         if fused is not None:
-            return self.down_proj(fused)
+            return self._project("down_proj", fused, batch)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self._project("down_proj", self.act(gate) * up, batch)
 
     def _attention(
         self,
@@ -249,7 +259,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """-> (T, q_size). Stores this step's K/V, then attends through the shared ops."""
         c, num_tokens = self.config, x.shape[0]
-        qkv, stored = self.qkv_proj(x), None
+        qkv, stored = self._project("qkv_proj", x, batch), None
         scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         if not (batch.num_extend_tokens or c.qk_norm) and ops.rope_decode_attention is not None:
             fused = ops.rope_decode_attention(
@@ -359,7 +369,7 @@ class CausalLM(nn.Module):
         rope = self.rope(batch.positions, hidden.dtype)
         local_rope = self.sliding_rope(batch.positions, hidden.dtype) if self.sliding_rope else rope
         residual, looped = None, None
-        if self.decode_loop is not None and not batch.num_extend_tokens:
+        if self.decode_loop is not None and not batch.num_extend_tokens and batch.lora is None:
             looped = self.decode_loop.run(batch, hidden, rope, k_caches, v_caches)
         if looped is not None:
             hidden, residual = looped

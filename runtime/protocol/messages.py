@@ -22,7 +22,9 @@ is global). A value the request cannot be served with (ranges, lengths, sampling
 `invalid_request` error; a grammar the scheduler cannot build may instead end as `failed`:
     generate      text | input_ids (exactly one), sampling_params (SamplingParams names;
                   n must be 1: send n requests), stream, return_logprob, logprob_start_len
-                  (-1: output logprobs only), top_logprobs_num (0 to 64)
+                  (-1: output logprobs only), top_logprobs_num (0 to 64), lora_path (the
+                  name of a loaded LoRA adapter, or None for the base model; an unknown
+                  name is an invalid_request)
     score         prefix, continuations (non-empty strings), unconditional. Each
                   continuation is tokenized on its own (no special tokens) and appended to the
                   tokenized prefix; all continuations run as one batch of prefill-only requests
@@ -42,6 +44,8 @@ is global). A value the request cannot be served with (ranges, lengths, sampling
                   generation without a timeout asks every few seconds: a request the server
                   answers for is alive, one it no longer knows is lost
     flush_cache, model_info, stats, health: no fields besides rid
+    load_lora_adapter    lora_name, lora_path (a PEFT adapter directory on the server's disk)
+    unload_lora_adapter  lora_name; refused while a request under that adapter is in flight
     ping          no fields and no reply. A client with requests in flight sends one at least
                   every PING_INTERVAL_S; the server aborts the requests of a client it has not
                   heard from (any frame) for CLIENT_TIMEOUT_S (the client crashed or froze).
@@ -73,6 +77,8 @@ Replies (server -> client), every one carrying the request's rid:
                           normalized), "prompt_tokens": [n, ...], "cached_tokens": [n, ...]}.
                           Aborted: {"embeddings": [], "aborted": true}
             abort         {"aborted": bool}     flush_cache  {"flushed": bool}
+            load_lora_adapter, unload_lora_adapter  {"success": bool, "error_message":
+                          str | None, "loaded_adapters": {name: path}} (SGLang's shape)
             model_info    {"model", "model_path", "chat_template", "special_tokens",
                           "bos_token", "eos_token", "eos_token_ids", "context_length",
                           "vocab_size", "max_new_tokens_limit", "protocol_version", ...}
@@ -91,7 +97,8 @@ Replies (server -> client), every one carrying the request's rid:
 Server <-> scheduler (ipc, same envelope, never seen by clients):
     server -> scheduler: add_requests (a batch of ReqSpec, admitted in the same step; each
         carries its SamplingParams typed, as validated by the server, never re-parsed),
-        abort_requests (rids), flush (rid), shutdown
+        abort_requests (rids), flush (rid), shutdown, load_lora_adapter and
+        unload_lora_adapter (as the client's, with the server's rid)
     scheduler -> server: scheduler_ready (model_info, pid) once at start, request_updates (a
         batch of ReqUpdate after each step: stream requests every step they produce tokens,
         the others only when finished; new ids and logprobs are incremental; an embedding
@@ -99,7 +106,8 @@ Server <-> scheduler (ipc, same envelope, never seen by clients):
         (on becoming idle, with the idle leak check, a few times a second while busy, and
         ahead of every request_updates that finishes a request, so the stats a client reads
         after its final reply count that request),
-        flush_done (rid, flushed)
+        flush_done (rid, flushed), lora_updated (rid, error: "" on success, adapters: the
+        adapters loaded after it, {name: path})
 """
 
 from __future__ import annotations
@@ -155,6 +163,7 @@ class Generate:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0  # larger first, with --enable-priority-scheduling
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field)
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,23 @@ class Ping:
     TAG: ClassVar[str] = "ping"
 
 
+@dataclass(frozen=True)
+class LoadLoraAdapter:
+    """Client -> server, and server -> scheduler (with the server's rid)."""
+
+    TAG: ClassVar[str] = "load_lora_adapter"
+    rid: str
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoraAdapter:
+    TAG: ClassVar[str] = "unload_lora_adapter"
+    rid: str
+    lora_name: str
+
+
 # ---- server -> client -------------------------------------------------------------------
 
 
@@ -268,6 +294,7 @@ class ReqSpec:
     top_logprobs_num: int = 0
     priority: int = 0
     pooling: str = ""  # an embedding request (one of POOLINGS, prefill only); "" generates
+    lora: str = ""  # the LoRA adapter's name; "": the base model
 
 
 @dataclass(frozen=True)
@@ -348,6 +375,17 @@ class FlushDone:
     flushed: bool
 
 
+@dataclass(frozen=True)
+class LoraUpdated:
+    """The scheduler's answer to a load/unload: error "" on success; the adapters loaded
+    after it, {name: path}."""
+
+    TAG: ClassVar[str] = "lora_updated"
+    rid: str
+    error: str
+    adapters: dict[str, str]
+
+
 CLIENT_REQUESTS = (
     Generate,
     Score,
@@ -360,8 +398,15 @@ CLIENT_REQUESTS = (
     Health,
     Status,
     Ping,
+    LoadLoraAdapter,
+    UnloadLoraAdapter,
 )
 CLIENT_REPLIES = (Chunk, Result, Error)
-TO_SCHEDULER = (AddRequests, AbortRequests, Flush, Shutdown)
-FROM_SCHEDULER = (SchedulerReady, SchedulerFailed, RequestUpdates, SchedulerStats, FlushDone)
-ALL_MESSAGES = CLIENT_REQUESTS + CLIENT_REPLIES + TO_SCHEDULER + FROM_SCHEDULER
+TO_SCHEDULER = (AddRequests, AbortRequests, Flush, Shutdown, LoadLoraAdapter, UnloadLoraAdapter)
+FROM_SCHEDULER = (
+    SchedulerReady, SchedulerFailed, RequestUpdates, SchedulerStats, FlushDone, LoraUpdated
+)  # fmt: skip
+# the adapter load/unload requests travel on both legs (client -> server -> scheduler)
+ALL_MESSAGES = tuple(
+    dict.fromkeys(CLIENT_REQUESTS + CLIENT_REPLIES + TO_SCHEDULER + FROM_SCHEDULER)
+)

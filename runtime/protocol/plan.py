@@ -47,6 +47,9 @@ class BatchPlan:
     # sample rows (non-greedy) whose processed distribution comes back: draft-model
     # speculation's rejection sampling (runtime/scheduler/draft_model.py)
     prob_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # (P,)
+    # (T,) per row: the LoRA adapter it runs under (0: the base model); empty: every row the
+    # base's. At most --max-loras-per-batch distinct adapters (runtime/models/lora.py)
+    lora_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))
 
     @property
     def num_tokens(self) -> int:

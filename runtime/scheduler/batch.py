@@ -31,7 +31,7 @@ def build_plan(
     input_ids, positions, out_slots = [], [], []
     qo, kv, kv_indices = [0], [0], []
     logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
-    copy_src, copy_dst, hidden_rows = [], [], []
+    copy_src, copy_dst, hidden_rows, lora_ids = [], [], [], []
     row = 0
     for req in extends:
         start, end = req.kv_len, req.extend_target
@@ -39,6 +39,7 @@ def build_plan(
         fill = req.fill_ids
         input_ids.append(fill[start:end])
         positions.append(np.arange(start, end, dtype=I64))
+        lora_ids.append([req.lora] * (end - start))
         out_slots.append(req.slots[start:end])
         kv_indices.append(req.slots[:start])
         qo.append(qo[-1] + end - start)
@@ -64,6 +65,7 @@ def build_plan(
         start, ids = req.kv_len, [req.output_ids[-1], *req.draft_ids]
         input_ids.append(ids)
         positions.append(np.arange(start, start + len(ids), dtype=I64))
+        lora_ids.append([req.lora] * len(ids))
         out_slots.append(req.slots[start : start + len(ids)])
         kv_indices.append(req.slots[:start])
         qo.append(qo[-1] + len(ids))
@@ -78,6 +80,7 @@ def build_plan(
         slot = int(req.slots[req.kv_len])
         input_ids.append([req.output_ids[-1]])
         positions.append(np.array([req.kv_len], dtype=I64))
+        lora_ids.append([req.lora])
         out_slots.append(np.array([slot], dtype=I64))
         dkv_indices.append(req.slots[: req.kv_len + 1])
         dkv.append(dkv[-1] + req.kv_len + 1)
@@ -106,6 +109,8 @@ def build_plan(
         copy_dst=cat(copy_dst),
         hidden_rows=np.asarray(hidden_rows, I64),
     )
+    if any(r.lora for r in [*extends, *(verifies or []), *decodes]):  # else every row the base's
+        plan.lora_ids = cat(lora_ids)
     # verify row j samples as a decode would after the first j drafts were accepted
     rows = [(r, 0) for r in sample_reqs]
     rows += [(r, j) for r in verifies or [] for j in range(1 + len(r.draft_ids))]

@@ -27,6 +27,8 @@ from radixflow.runtime.protocol.messages import (
     AddRequests,
     Flush,
     FlushDone,
+    LoadLoraAdapter,
+    LoraUpdated,
     ReqSpec,
     RequestUpdates,
     ReqUpdate,
@@ -34,6 +36,7 @@ from radixflow.runtime.protocol.messages import (
     SchedulerReady,
     SchedulerStats,
     Shutdown,
+    UnloadLoraAdapter,
 )
 from radixflow.runtime.protocol.transport import IpcAddresses, PullQueue, PushQueue, remove_ipc_dir
 from radixflow.runtime.scheduler.request import Req
@@ -94,6 +97,22 @@ class SchedulerLoop:
                     self.touched.append(req)
         elif isinstance(msg, Flush):
             self.outbox.put(FlushDone(msg.rid, self.scheduler.tree.flush()))
+        elif isinstance(msg, (LoadLoraAdapter, UnloadLoraAdapter)):
+            self.outbox.put(self._update_lora(msg))
+
+    def _update_lora(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> LoraUpdated:
+        """Load or unload an adapter between two steps: running requests keep theirs."""
+        scheduler, error = self.scheduler, ""
+        try:
+            if isinstance(msg, LoadLoraAdapter):
+                scheduler.loras.load(msg.lora_name, msg.lora_path, scheduler.runner)
+                log.info("LoRA adapter %r loaded from %s", msg.lora_name, msg.lora_path)
+            else:
+                scheduler.loras.unload(msg.lora_name, scheduler.live_requests(), scheduler.runner)
+                log.info("LoRA adapter %r unloaded", msg.lora_name)
+        except ValueError as e:  # models.lora.LoraError too: the client's to fix
+            error = str(e)
+        return LoraUpdated(msg.rid, error, dict(scheduler.loras.paths))
 
     def _add(self, spec: ReqSpec) -> None:
         req = Req(
@@ -106,9 +125,12 @@ class SchedulerLoop:
             stream=spec.stream,
             priority=spec.priority,
             pooling=spec.pooling,
+            lora=self.scheduler.loras.id_of(spec.lora) or 0,
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)
+        if self.scheduler.loras.id_of(spec.lora) is None:  # unloaded since the server checked
+            self.scheduler.abort(req.rid, f"no LoRA adapter named {spec.lora!r} is loaded")
         if req.finished:  # refused at once (too long for the pool, no grammar backend)
             self.touched.append(req)
 

@@ -17,7 +17,7 @@ DEDUP_MIN_SHARED = 32  # in-step dedup: defer a request sharing this many uncach
 
 
 def _match(tree: RadixCache, req: Req) -> tuple[int, Node]:
-    prefix, node = tree.match_prefix(np.asarray(req.fill_ids[: req.max_prefix_len], np.int64))
+    prefix, node = tree.match_prefix(req.cache_key(req.max_prefix_len))
     return len(prefix), node
 
 

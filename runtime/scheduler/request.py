@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from radixflow.runtime.cache.radix_cache import Node
+from radixflow.runtime.cache.radix_cache import NAMESPACE_SHIFT, Node
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 THINKING_END_WINDOW = 16  # output tokens searched for the think block's end, each step
@@ -44,6 +44,9 @@ class Req:
     # an encoder's request: its whole input in one step (never chunked), nothing taken from
     # or given to the radix tree (set by the scheduler of an encoder model)
     whole_input: bool = False
+    # the LoRA adapter's id (scheduler/lora_table.py; 0: the base model): its rows run under
+    # that adapter, and its KV lives in the adapter's own part of the radix tree (`cache_key`)
+    lora: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
@@ -90,6 +93,12 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token of the sequence: prompt then output."""
         return self.input_ids + self.output_ids
+
+    def cache_key(self, end: int | None = None) -> np.ndarray:
+        """The radix tree's key of fill_ids[:end]: the token ids, moved into the adapter's
+        namespace (cache/radix_cache.py) so KV computed under one adapter (or the base model)
+        is never matched by a request under another, while one adapter's requests share."""
+        return np.asarray(self.fill_ids[:end], dtype=np.int64) + (self.lora << NAMESPACE_SHIFT)
 
     @property
     def seq_len(self) -> int:

@@ -32,7 +32,7 @@ class RequestKV:
     def match(self, req: Req) -> tuple[np.ndarray, Any]:
         """`req`'s longest cached prefix (slots, node): the pool's, extended by the blocks
         that follow it on disk (loaded into the pool and the tree here)."""
-        key = np.asarray(req.fill_ids[: req.max_prefix_len], dtype=I64)
+        key = req.cache_key(req.max_prefix_len)
         prefix, node = self.tree.match_prefix(key)
         if self.tiers is None or self.tree.disabled:
             return prefix, node
@@ -46,7 +46,7 @@ class RequestKV:
     def prefetch(self, req: Req) -> None:
         """A request starts waiting: the disk tier reads its blocks meanwhile."""
         if self.tiers is not None and not self.tree.disabled:
-            self.tiers.prefetch(np.asarray(req.fill_ids[: req.max_prefix_len], dtype=I64))
+            self.tiers.prefetch(req.cache_key(req.max_prefix_len))
 
     def _take_pages(self, count: int) -> list[int] | None:
         short = count - self.pool.num_free_pages
@@ -131,7 +131,7 @@ class RequestKV:
         """Insert the computed prefix into the tree, adopt the tree's slots, move the lock."""
         if self.tree.disabled:
             return
-        keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+        keys = req.cache_key(req.kv_len)
         present = self.tree.insert(keys, req.slots[: req.kv_len])
         slots, node = self.tree.match_prefix(keys)
         assert len(slots) == req.kv_len, f"{len(slots)=} {req.kv_len=}"
@@ -162,7 +162,7 @@ class RequestKV:
         if req.last_node is None and not req.own_pages:
             return
         if keep_in_tree and not self.tree.disabled and req.kv_len > req.prefix_len:
-            keys = np.asarray(req.fill_ids[: req.kv_len], dtype=I64)
+            keys = req.cache_key(req.kv_len)
             self.tree.insert(keys, req.slots[: req.kv_len])
             if self.tiers is not None:
                 self.tiers.computed(keys, req.slots[: req.kv_len], req.prefix_len)

@@ -21,10 +21,11 @@ from radixflow.runtime.cache.radix_cache import RadixCache
 from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
-from radixflow.runtime.protocol.plan import I64, BatchPlan, StepResult
+from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 from radixflow.runtime.scheduler.batch import build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
 from radixflow.runtime.scheduler.jump_forward import JumpForward
+from radixflow.runtime.scheduler.lora_table import LoraTable
 from radixflow.runtime.scheduler.policy import order_waiting, shares_uncached
 from radixflow.runtime.scheduler.request import Req, ReqState
 from radixflow.runtime.scheduler.request_kv import RequestKV
@@ -82,6 +83,7 @@ class Scheduler:
         self.spec = speculator or Speculator(config, eos_token_ids, encode)
         self.encode = encode
         self.jump = JumpForward(not config.disable_jump_forward)
+        self.loras = LoraTable(config.max_loras_per_batch)  # adapter names -> ids
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio
@@ -280,20 +282,17 @@ class Scheduler:
                 extends.append(req)
                 budget -= chunk
         admitted_cost = 0.0
-        in_step = [np.asarray(self.chunked.fill_ids, dtype=I64)] if self.chunked else []
+        in_step = [self.chunked.cache_key()] if self.chunked else []
         self.admit_stop = None  # why admission stopped; None: the queue ran out
-        for req in order_waiting(
-            self.waiting,
-            self.tree,
-            self.config.schedule_policy,
-            self.step_count,
-            self.config.enable_priority_scheduling,
-        ):
+        by = self.config.schedule_policy, self.step_count, self.config.enable_priority_scheduling
+        ordered = order_waiting(self.waiting, self.tree, *by)
+        # within --max-loras-per-batch adapters a step (the chunked request's counted too)
+        for req in self.loras.admissible(ordered, self.running + extends, self.chunked):
             if budget <= 0 or len(self.running) + len(extends) >= self.config.max_running_requests:
                 self.admit_stop = "token_budget" if budget <= 0 else "running_cap"
                 break
             prefix, node = self.kv.match(req)  # loads what follows on disk, if any
-            ids = np.asarray(req.fill_ids, dtype=I64)
+            ids = req.cache_key()
             reuses = not (self.tree.disabled or req.whole_input or req.pooling in ("mean", "cls"))
             if reuses and shares_uncached(ids, len(prefix), in_step):
                 continue  # a request admitted this step computes that prefix; reuse it next step

@@ -71,6 +71,7 @@ def chat_body(body: dict[str, Any], most_tokens: int) -> dict[str, Any]:
         "chat_template_kwargs": thinking_kwargs(body.get("thinking"), max_tokens),
         "thinking_budget": (body.get("thinking") or {}).get("budget_tokens"),  # enforced
         "response_format": output_format(body.get("output_config")),
+        "model": body.get("model"),  # a LoRA adapter's name runs under it (OpenAiRoutes)
     }
     if tools:
         chat.update(tools=tools, tool_choice=choice)

@@ -100,7 +100,7 @@ class EmbeddingsRoutes:
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         check_fields(body, OPENAI_FIELDS, {}, (), "")
-        self.openai.check_model(typed(body, "model", str, None))
+        self.openai.check_model(typed(body, "model", str, None), adapters=False)
         typed(body, "user", str, None)
         fmt = typed(body, "encoding_format", str, "float")
         if fmt not in ("float", "base64"):
@@ -221,7 +221,7 @@ class EmbeddingsRoutes:
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         check_fields(body, TOKENIZE_FIELDS, {}, (), "")
-        self.openai.check_model(typed(body, "model", str, None))
+        self.openai.check_model(typed(body, "model", str, None), adapters=False)
         context = self.context_length()
         if body.get("messages") is not None:
             ids = self.chat_ids(body)
@@ -255,7 +255,7 @@ class EmbeddingsRoutes:
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         check_fields(body, {"model", "tokens"}, {}, (), "")
-        self.openai.check_model(typed(body, "model", str, None))
+        self.openai.check_model(typed(body, "model", str, None), adapters=False)
         tokens = body.get("tokens")
         vocab = int(self.server.model_info["vocab_size"])
         if not is_int_list(tokens) or not all(0 <= t < vocab for t in tokens):

@@ -56,6 +56,7 @@ from radixflow.runtime.server.http_request import (
     typed,
 )
 from radixflow.runtime.server.infill_api import InfillRoutes
+from radixflow.runtime.server.lora_api import LoraRoutes
 from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
@@ -142,7 +143,7 @@ class HttpDoor:
         ]
         openai = OpenAiRoutes(self)
         doors = [ResponsesRoutes(self), AnthropicRoutes(self), OllamaRoutes(self, openai),
-                 InfillRoutes(self, openai)]  # fmt: skip
+                 InfillRoutes(self, openai), LoraRoutes(self)]  # fmt: skip
         self.app.add_routes(routes + openai.routes() + [r for d in doors for r in d.routes()])
         self.app.add_routes(EmbeddingsRoutes(self).routes())
         self.runner: web.AppRunner | None = None

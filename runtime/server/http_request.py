@@ -66,8 +66,7 @@ GENERATE_NOOP = {
     "input_embeds": None,
     "modalities": None,
     "session_params": None,
-    "lora_path": None,
-    "lora_id": None,
+    "lora_id": None,  # SGLang's internal id of an adapter; requests name it by lora_path
     "custom_logit_processor": None,
     "token_ids_logprob": None,
     "bootstrap_host": None,
@@ -92,6 +91,7 @@ GENERATE_FIELDS = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "priority",
+    "lora_path",  # a loaded LoRA adapter's name, or a list of them (None: the base), per prompt
 }
 # sampling_params names of SGLang's that are no-ops here at these values
 SAMPLING_NOOP = {
@@ -278,6 +278,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
     start = per_item(body, "logprob_start_len", count, int, -1)
     top = per_item(body, "top_logprobs_num", count, int, 0)
     priority = per_item(body, "priority", count, int, 0)
+    lora = per_item(body, "lora_path", count, str, None)
     typed(body, "return_text_in_logprobs", bool, False)
     msgs = []
     for i, (kind, prompt) in enumerate(prompts):
@@ -298,6 +299,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
                     logprob_start_len=start[i],
                     top_logprobs_num=top[i],
                     priority=priority[i],
+                    lora_path=lora[i],
                     **{kind: prompt},
                 )
             )

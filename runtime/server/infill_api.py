@@ -42,7 +42,8 @@ NOOP = {
     "json_schema": None, "logit_bias": None, "lora": None,
 }  # fmt: skip
 # fields that tune how llama.cpp runs, with no effect on the output (one model is served,
-# as llama.cpp's is; the radix cache is always on; no slots; penalties cover the whole reply)
+# as llama.cpp's is, but `model` naming a loaded LoRA adapter runs under it; the radix cache
+# is always on; no slots; penalties cover the whole reply)
 ANY = ("model", "cache_prompt", "id_slot", "samplers", "repeat_last_n", "return_tokens", "n_keep",
        "timings_per_token", "response_fields", "min_keep", "post_sampling_probs")  # fmt: skip
 RAW = ChatPlan("", {}, None, None, False)  # a prompt taken as is: no template, tools, thinking
@@ -80,6 +81,8 @@ class InfillRoutes:
         )  # fmt: skip
         fields = self.sampling(body)
         fields["stop_token_ids"] = stops
+        if body.get("model") in self.openai.adapters():  # a LoRA adapter's name picks it
+            fields["model"] = body["model"]
         job = ChatJob(RAW, self.openai.choices_of([ids], fields, "max_tokens", -1), fields)
         if fields["stream"]:
             return await self.stream(request, job)

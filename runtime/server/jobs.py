@@ -53,6 +53,7 @@ def generate_spec(msg: Generate, ids: list[int], sampling: SamplingParams) -> Re
         logprob_start_len=msg.logprob_start_len,
         top_logprobs_num=msg.top_logprobs_num,
         priority=msg.priority,
+        lora=msg.lora_path or "",
     )
 
 

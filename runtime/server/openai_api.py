@@ -67,6 +67,7 @@ COMMON = {
     "rid",
     "logit_bias",
     "priority",
+    "lora_path",  # a loaded LoRA adapter's name (SGLang's); `model` may name one instead
 }
 CHAT = COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -80,7 +81,6 @@ NOOP = {
     "no_stop_trim": False,
     "stream_reasoning": True,
     "return_hidden_states": False,
-    "lora_path": None,
     "session_params": None,
     "custom_logit_processor": None,
     "custom_params": None,
@@ -139,17 +139,41 @@ class OpenAiRoutes:
             "sampling_defaults": self.server.model_info.get("sampling_defaults", {}),
         }
 
+    def adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, {name: path}: each is a model of its own here."""
+        return self.server.model_info.get("lora_adapters", {})
+
+    def adapter_card(self, name: str) -> dict[str, Any]:
+        """vLLM's card of an adapter: its path as root, the base model as parent."""
+        base = self.card()
+        return {**base, "id": name, "root": self.adapters()[name], "parent": base["id"]}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self.card()]})
+        cards = [self.card()] + [self.adapter_card(name) for name in self.adapters()]
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
-        self.check_model(request.match_info["model"])
-        return web.json_response(self.card())
+        name = request.match_info["model"]
+        self.check_model(name)
+        return web.json_response(
+            self.adapter_card(name) if name in self.adapters() else self.card()
+        )
 
-    def check_model(self, name: Any) -> None:
+    def check_model(self, name: Any, adapters: bool = True) -> None:
+        """404 for a model this server does not serve. A LoRA adapter's name is one on the
+        generation routes (`adapters`), a 400 on the others (embeddings: the base model's)."""
         known = {self.model_name(), self.server.model_info.get("model_path"), "default"}
-        if name is not None and name not in known:
+        if name in self.adapters() and not adapters:
+            raise HttpError(400, f"'{name}' is a LoRA adapter: this route serves the base", "model")
+        if name is not None and name not in known and name not in self.adapters():
             raise HttpError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+
+    def adapter_of(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter a body runs under: `model` naming one (vLLM's convention), else
+        SGLang's `lora_path`; None for the base model. An unknown lora_path is refused later,
+        with the other generate checks."""
+        model = body.get("model")
+        return model if model in self.adapters() else typed(body, "lora_path", str, None)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -247,6 +271,7 @@ class OpenAiRoutes:
                         logprob_start_len=0 if echo and want_logprobs else -1,
                         top_logprobs_num=max(top, 0),
                         priority=typed(body, "priority", int, 0),
+                        lora_path=self.adapter_of(body),
                     )
                 )
         return msgs

@@ -227,6 +227,7 @@ class ResponsesRoutes:
             "stream": typed(body, "stream", bool, False),
             "chat_template_kwargs": kwargs,
             "reasoning_effort": (reasoning or {}).get("effort"),  # its thinking budget
+            "model": model,  # a LoRA adapter's name runs under it (OpenAiRoutes.adapter_of)
         }
         chat = {k: v for k, v in chat.items() if v is not None}
         echo = {

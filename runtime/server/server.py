@@ -49,6 +49,7 @@ from radixflow.runtime.protocol.messages import (
     FlushDone,
     Generate,
     Health,
+    LoraUpdated,
     ModelInfo,
     Ping,
     ReqSpec,
@@ -62,7 +63,7 @@ from radixflow.runtime.protocol.messages import (
     Status,
 )
 from radixflow.runtime.protocol.transport import TransportError, is_loopback
-from radixflow.runtime.server import reports
+from radixflow.runtime.server import control, reports
 from radixflow.runtime.server.http_api import HttpDoor
 from radixflow.runtime.server.jobs import (
     EmbedJob,
@@ -142,6 +143,7 @@ class Server:
             Health: self._on_report,
             Status: self._on_report,
             Ping: lambda identity, msg: None,
+            **control.lora_handlers(self),
         }
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -276,10 +278,8 @@ class Server:
                 self._on_update(update)
         elif isinstance(msg, SchedulerStats):
             self.scheduler_stats, self.idle_check = msg.stats, msg.idle_check
-        elif isinstance(msg, FlushDone):
-            job = self.by_internal.pop(msg.rid, None)
-            if job is not None:
-                self._end(job, Result(job.rid, {"flushed": msg.flushed}))
+        elif isinstance(msg, (FlushDone, LoraUpdated)):
+            control.on_reply(self, msg)
         elif isinstance(msg, SchedulerReady):
             self._on_ready(msg)
         elif isinstance(msg, SchedulerFailed):

@@ -108,6 +108,12 @@ class RequestRules:
             raise RequestError(
                 ERROR_INVALID_REQUEST, "priority needs the server's --enable-priority-scheduling"
             )
+        loaded = self.model_info.get("lora_adapters", {})
+        if msg.lora_path is not None and msg.lora_path not in loaded:
+            raise RequestError(
+                ERROR_INVALID_REQUEST,
+                f"no LoRA adapter named {msg.lora_path!r} is loaded (loaded: {sorted(loaded)})",
+            )
         if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"

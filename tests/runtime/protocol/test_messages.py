@@ -33,6 +33,9 @@ SAMPLES = [
     m.Health("h"),
     m.Status("q", target_rids=["g1", "g2"]),
     m.Ping(),
+    m.Generate("g3", text="Hi", lora_path="sql"),
+    m.LoadLoraAdapter("l1", lora_name="sql", lora_path="/adapters/sql"),
+    m.UnloadLoraAdapter("l2", lora_name="sql"),
     m.Chunk("g2", text="Hi", new_ids=[5], meta_info={"completion_tokens": 1}),
     m.Result("g1", data={"text": "x", "output_ids": [1], "meta_info": {"id": "g1"}}),
     m.Error("g1", code=m.ERROR_INVALID_REQUEST, message="bad"),
@@ -41,6 +44,7 @@ SAMPLES = [
             m.ReqSpec("s1", [1, 2], SamplingParams(max_new_tokens=0), True, True, 1),
             m.ReqSpec("s2", [3], SamplingParams(stop=("a", "b"), stop_token_ids=(7,), seed=3)),
             m.ReqSpec("s4", [4, 5], SamplingParams(max_new_tokens=0), pooling="mean"),
+            m.ReqSpec("s5", [6], SamplingParams(), lora="sql"),
         ]
     ),
     m.AbortRequests(["s1", "s2"], message="client disconnected"),
@@ -64,6 +68,7 @@ SAMPLES = [
     ),
     m.SchedulerStats({"free_slots": 10}, idle_check="ok"),
     m.FlushDone("s3", flushed=True),
+    m.LoraUpdated("l1", error="", adapters={"sql": "/adapters/sql"}),
 ]
 
 

@@ -68,6 +68,9 @@ BODIES = {
     "/api/embeddings": {"model": "default", "prompt": "Hi"},
     "/tokenize": {"prompt": "Hi"},
     "/detokenize": {"tokens": [1, 2]},
+    # no adapter of that name: a 400 after the key check (test_lora.py loads real ones)
+    "/load_lora_adapter": {"lora_name": "x", "lora_path": "/no/such/adapter"},
+    "/unload_lora_adapter": {"lora_name": "x"},
 }
 Call = Callable[[str, str, dict[str, str]], Awaitable[int]]
 
