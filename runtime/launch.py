@@ -210,6 +210,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "is_encoder": encoder,
         "is_embedding": config.is_embedding,
         "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
+        # a vision model's image tokens and processor sizes (server/images.py); None: text only
+        "vision": vision.info if (vision := getattr(model, "vision", None)) else None,
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

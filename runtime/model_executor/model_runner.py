@@ -26,6 +26,7 @@ from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
 from radixflow.runtime.model_executor.threads import ThreadGovernor
+from radixflow.runtime.model_executor.vision_step import load_vision
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.bert import Encoder, EncoderConfig
 from radixflow.runtime.models.layers import CausalLM, ModelConfig
@@ -92,6 +93,7 @@ def load_model(
     model = CausalLM(model_config, ops)
     model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
+    model.vision = load_vision(model, model_dir, hf_config, state)  # None: text only
     del state
     if config.quantization == "int8":
         _quantized_only_on_cpu(device, dtype)
@@ -314,6 +316,8 @@ class ModelRunner:
             logits = self.graphs.replay(plan) if self.graphs is not None else None
             if logits is None:
                 batch = self.inputs.forward_batch(plan)
+                if plan.mrope_positions is not None:  # images: model_executor/vision_step.py
+                    self.model.vision.splice(plan, batch)
                 if self.split is not None:
                     self.split.start(len(batch.input_ids), batch.num_extend_tokens == 0)
                 logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32

@@ -106,6 +106,7 @@ class SchedulerLoop:
             stream=spec.stream,
             priority=spec.priority,
             pooling=spec.pooling,
+            images=list(spec.images),
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)

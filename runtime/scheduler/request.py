@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from radixflow.runtime.cache.radix_cache import Node
+from radixflow.runtime.protocol.messages import ImageItem
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 THINKING_END_WINDOW = 16  # output tokens searched for the think block's end, each step
@@ -44,6 +45,9 @@ class Req:
     # an encoder's request: its whole input in one step (never chunked), nothing taken from
     # or given to the radix tree (set by the scheduler of an encoder model)
     whole_input: bool = False
+    # a vision model's images (their placeholders keyed in input_ids: scheduler/images.py)
+    images: list[ImageItem] = field(default_factory=list)
+    mrope: tuple[np.ndarray, int] | None = None  # the prompt's (3, L) positions and the delta
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING

@@ -332,9 +332,9 @@ class Server:
 
     def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
-        ids, sampling, defaults = self.rules.generate(msg)
+        ids, sampling, defaults, (keyed, images) = self.rules.generate(msg)
         job = GenerateJob(identity, msg, ids, sampling, self.tokenizer, defaults)
-        return job, generate_spec(msg, ids, sampling)
+        return job, generate_spec(msg, keyed, sampling, images)
 
     def _on_score(self, identity: Any, msg: Score) -> None:
         self._check_new(msg.rid)
