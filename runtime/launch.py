@@ -172,7 +172,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         eos_token_ids=eos,
         context_len=context_len,
         vocab_size=model.config.vocab_size,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        # an image's placeholders are keyed past the vocabulary (server/images.py): not text
+        decode=lambda ids: tokenizer.decode(
+            [t for t in ids if t < len(tokenizer)], skip_special_tokens=True
+        ),
         grammars=None  # embeddings only: no generation, no grammar
         if config.is_embedding
         else _grammar_backend(config, tokenizer, model.config.vocab_size, eos),

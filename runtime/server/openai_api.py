@@ -247,6 +247,7 @@ class OpenAiRoutes:
                         logprob_start_len=0 if echo and want_logprobs else -1,
                         top_logprobs_num=max(top, 0),
                         priority=typed(body, "priority", int, 0),
+                        image_data=list(plan.images) if plan is not None and plan.images else None,
                     )
                 )
         return msgs
@@ -277,7 +278,8 @@ class OpenAiRoutes:
         rendered and tokenized, one Generate per choice. Every chat-shaped door builds one
         (chat_runner.py); raises HttpError naming the field that is wrong."""
         try:
-            plan = plan_chat(body, self.server.tokenizer, self.server.config)
+            vision = self.server.model_info.get("vision") is not None
+            plan = plan_chat(body, self.server.tokenizer, self.server.config, vision)
         except ValueError as e:  # ToolError among them: the message names the field
             raise HttpError(400, str(e), "messages") from e
         logprobs = typed(body, "logprobs", bool, False)
