@@ -89,6 +89,7 @@ class RuntimeEndpoint:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
         rid: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """-> {"text", "output_ids", "meta_info"} once the request finished; a list of n of
         them for sampling_params n > 1 (the n share the prompt's KV: it is prefilled once)."""
@@ -100,6 +101,7 @@ class RuntimeEndpoint:
             logprob_start_len,
             top_logprobs_num,
             rid,
+            image_data,
         )
         return self.transport.generate(request, self._timeout(timeout))
 
@@ -114,6 +116,7 @@ class RuntimeEndpoint:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
         rid: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Yields {"text" (cumulative), "output_ids" (cumulative), "meta_info" (logprobs only
         for the new tokens), "finished"}; the last item has finished=True and the final text.
@@ -126,6 +129,7 @@ class RuntimeEndpoint:
             logprob_start_len,
             top_logprobs_num,
             rid,
+            image_data,
         )
         return self.transport.generate_stream(request, self._timeout(timeout))
 

@@ -34,6 +34,7 @@ from radixflow.runtime.protocol.messages import (
     ERROR_UNAUTHORIZED,
     ERROR_UNAVAILABLE,
 )
+from radixflow.media import data_url
 from radixflow.transport import (
     DEFAULT_LIVENESS,
     GenerateRequest,
@@ -333,4 +334,6 @@ def _generate_body(request: GenerateRequest) -> dict[str, Any]:
         )
     if request.rid is not None:
         body["rid"] = request.rid
+    if request.image_data:
+        body["image_data"] = [data_url(image) for image in request.image_data]
     return body

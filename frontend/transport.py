@@ -35,6 +35,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | None = None
+    image_data: list[bytes] | None = None  # a vision model's images (encoded files)
 
 
 @dataclass(frozen=True)

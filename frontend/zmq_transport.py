@@ -206,6 +206,7 @@ def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
         return_logprob=request.return_logprob,
         logprob_start_len=request.logprob_start_len,
         top_logprobs_num=request.top_logprobs_num,
+        image_data=list(request.image_data) if request.image_data else None,
     )
 
 

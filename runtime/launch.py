@@ -214,9 +214,19 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "is_embedding": config.is_embedding,
         "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
         # a vision model's image tokens and processor sizes (server/images.py); None: text only
-        "vision": vision.info if (vision := getattr(model, "vision", None)) else None,
+        "vision": vision_model_info(getattr(model, "vision", None), tokenizer),
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
+
+
+def vision_model_info(vision: Any, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any] | None:
+    """A vision model's token ids, processor sizes and the text of one image's placeholder
+    (what a program writes for an image: <|vision_start|><|image_pad|><|vision_end|>)."""
+    if vision is None:
+        return None
+    info = vision.info
+    ids = [info["vision_start_token_id"], info["image_token_id"], info["vision_end_token_id"]]
+    return {**info, "placeholder": tokenizer.decode(ids)}
 
 
 def _grammar_backend(

@@ -16,10 +16,9 @@ import httpx
 import ollama
 import openai
 import pytest
-from family_models import one_thread
-from vision_models import IDS, png, save_qwen2_5_vl, vl_tokenizer
+from vision_models import IDS, png, vl_tokenizer
 
-from conftest import Server, start_server
+from conftest import Server
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 RED, BLUE = png(64, 48, 11), png(64, 48, 12)  # 4 image tokens each
@@ -33,19 +32,9 @@ def data_url(image: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("vl")
-    with one_thread():
-        path, _ = save_qwen2_5_vl(root)
-    (root / "red.png").write_bytes(RED)
-    options = dict(
-        model_path=str(path), max_total_tokens=2048, context_length=96, num_threads=1,
-        allow_local_media=True, allow_remote_media=True, max_image_bytes=40_000,
-        log_level="warning",
-    )  # fmt: skip
-    with start_server(**options) as running:
-        running.root = root
-        yield running
+def server(vision_server: Server) -> Server:
+    (vision_server.root / "red.png").write_bytes(RED)
+    return vision_server
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +138,7 @@ BAD_GENERATE = [
     ({"image_data": 5}, "image_data"),
     ({"image_data": [data_url(RED), data_url(RED)]}, "placeholder"),
     ({"image_data": data_url(png(150, 150, 14))}, "exceeds"),  # past --max-image-bytes
-    ({"text": VISION * 7, "image_data": [data_url(BIG)] * 7}, "too many images"),  # 98 > 96
+    ({"text": VISION * 12, "image_data": [data_url(BIG)] * 12}, "too many images"),  # 170 > 160
     ({"image_data": "/no/such/file.png"}, "no image file"),
 ]
 
