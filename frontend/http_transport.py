@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from radixflow.media import data_url
 from radixflow.runtime.protocol.messages import (
     ERROR_DISCONNECTED,
     ERROR_INVALID_REQUEST,
@@ -34,7 +35,6 @@ from radixflow.runtime.protocol.messages import (
     ERROR_UNAUTHORIZED,
     ERROR_UNAVAILABLE,
 )
-from radixflow.media import data_url
 from radixflow.transport import (
     DEFAULT_LIVENESS,
     GenerateRequest,
