@@ -214,7 +214,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "is_embedding": config.is_embedding,
         "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
         # a vision model's image tokens and processor sizes (server/images.py); None: text only
-        "vision": vision_model_info(getattr(model, "vision", None), tokenizer),
+        # (tensor-parallel ranks hold no vision tower: images are refused there)
+        "vision": vision_model_info(
+            getattr(model, "vision", None) if config.tp_size == 1 else None, tokenizer
+        ),
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
 

@@ -313,7 +313,9 @@ class ModelRunner:
             copy_slots(self.v_caches, src, dst)
         hidden = None
         with torch.inference_mode():
-            logits = self.graphs.replay(plan) if self.graphs is not None else None
+            # a step with images (mrope positions) runs eagerly: the graphs take 1-D positions
+            graphs = self.graphs if plan.mrope_positions is None else None
+            logits = graphs.replay(plan) if graphs is not None else None
             if logits is None:
                 batch = self.inputs.forward_batch(plan)
                 if plan.mrope_positions is not None:  # images: model_executor/vision_step.py
