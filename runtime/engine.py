@@ -291,7 +291,7 @@ class Engine:
         c = self.config
         return ImageRules(
             self.model_info.get("vision"), c.max_image_bytes, c.max_request_image_bytes,
-            c.max_image_pixels, c.allow_local_media, c.allow_remote_media,
+            c.max_image_pixels, c.allow_local_media,
         )  # fmt: skip
 
     def _stream(self, req: Req) -> Iterator[dict[str, Any]]:

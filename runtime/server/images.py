@@ -19,14 +19,12 @@ import hashlib
 import io
 import math
 import re
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from radixflow.runtime.protocol.messages import ImageItem
 
-REMOTE_TIMEOUT_S = 10.0
 BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
 KEY_SPACE = 1 << 40  # keys lie in [vocab_size, vocab_size + KEY_SPACE)
 TEXT_ONLY = "this model has no vision (a text-only model): images are not supported"
@@ -46,7 +44,6 @@ class ImageRules:
     max_request_bytes: int
     max_pixels: int
     allow_local: bool
-    allow_remote: bool = False
 
     def read(self, item: Any) -> bytes:
         """The encoded file of one `image_data` entry: bytes as they are; a str as a data:
@@ -57,8 +54,9 @@ class ImageRules:
             raise ImageError(f"an image must be bytes or a string, got {type(item).__name__}")
         elif item.startswith("data:"):
             data = _data_url(item, self.max_image_bytes)
-        elif item.startswith(("http://", "https://")):
-            data = self._remote(item)
+        elif item.startswith(("http://", "https://")):  # the HTTP doors fetched theirs
+            raise ImageError("remote image URLs are fetched by the HTTP doors only, with the "
+                             "server's --allow-remote-media; send the image's bytes")  # fmt: skip
         elif BASE64.fullmatch(item[:4096]) and len(item) >= 64:  # "/9j/..." is a JPEG's
             data = _base64(item, self.max_image_bytes)
         elif _looks_like_path(item):
@@ -67,20 +65,6 @@ class ImageRules:
             data = _base64(item, self.max_image_bytes)
         if len(data) > self.max_image_bytes:
             raise ImageError(f"an image of {len(data)} bytes exceeds {self.max_image_bytes}")
-        return data
-
-    def _remote(self, url: str) -> bytes:
-        """The file at an http(s) URL, read up to the image limit. Blocking (a few seconds at
-        most): only with --allow-remote-media."""
-        if not self.allow_remote:
-            raise ImageError("remote image URLs are refused (the server's --allow-remote-media)")
-        try:
-            with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as response:  # noqa: S310 (http(s) only, checked above)
-                data = response.read(self.max_image_bytes + 1)
-        except (OSError, ValueError) as e:
-            raise ImageError(f"could not fetch the image {url[:200]!r}: {e}") from e
-        if len(data) > self.max_image_bytes:
-            raise ImageError(f"the image at {url[:200]!r} exceeds {self.max_image_bytes} bytes")
         return data
 
     def _local(self, path: str) -> bytes:

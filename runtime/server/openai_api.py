@@ -33,6 +33,7 @@ from radixflow.runtime.server.http_request import (
     response_format,
     typed,
 )
+from radixflow.runtime.server.media_fetch import fetch_media
 from radixflow.runtime.server.openai_shapes import echoed, finish, logprobs_of, usage_of
 
 COMMON = {
@@ -356,7 +357,7 @@ class OpenAiRoutes:
         text completion (`echoes`: each choice's prompt text, to start its text with)."""
         chat = plan is not None
         include_usage = self.stream_usage(body)  # checked even when not streaming
-        sinks = self.door.submit(msgs)
+        sinks = self.door.submit(await fetch_media(msgs, self.server.config))
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),

@@ -47,7 +47,7 @@ class RequestRules:
         self.config, self.model_info, self.tokenizer = config, model_info, tokenizer
         self.images = ImageRules(
             model_info.get("vision"), config.max_image_bytes, config.max_request_image_bytes,
-            config.max_image_pixels, config.allow_local_media, config.allow_remote_media,
+            config.max_image_pixels, config.allow_local_media,
         )  # fmt: skip
 
     def encode(self, text: str) -> list[int]:
