@@ -53,6 +53,7 @@ _EXPORTS = {
         "user_begin",
         "user_end",
     ),
+    "radixflow.media": ("image", "video"),
     "radixflow.chat_template": ("ChatTemplate", "get_chat_template"),
     "radixflow.choices": (
         "greedy_token_selection",

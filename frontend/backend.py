@@ -102,6 +102,7 @@ class RuntimeEndpoint:
         timeout: float | None = None,
         rid: str | None = None,
         lora_path: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """-> {"text", "output_ids", "meta_info"} once the request finished; a list of n of
         them for sampling_params n > 1 (the n share the prompt's KV: it is prefilled once).
@@ -115,6 +116,7 @@ class RuntimeEndpoint:
             top_logprobs_num,
             rid,
             lora_path,
+            image_data,
         )
         return self.transport.generate(request, self._timeout(timeout))
 
@@ -130,6 +132,7 @@ class RuntimeEndpoint:
         timeout: float | None = None,
         rid: str | None = None,
         lora_path: str | None = None,
+        image_data: list[bytes] | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Yields {"text" (cumulative), "output_ids" (cumulative), "meta_info" (logprobs only
         for the new tokens), "finished"}; the last item has finished=True and the final text.
@@ -143,6 +146,7 @@ class RuntimeEndpoint:
             top_logprobs_num,
             rid,
             lora_path,
+            image_data,
         )
         return self.transport.generate_stream(request, self._timeout(timeout))
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from radixflow.media import data_url
 from radixflow.runtime.protocol.messages import (
     ERROR_DISCONNECTED,
     ERROR_INVALID_REQUEST,
@@ -349,4 +350,6 @@ def _generate_body(request: GenerateRequest) -> dict[str, Any]:
         body["rid"] = request.rid
     if request.lora_path is not None:
         body["lora_path"] = request.lora_path
+    if request.image_data:
+        body["image_data"] = [data_url(image) for image in request.image_data]
     return body

@@ -28,6 +28,7 @@ from radixflow.ir import (
     Constant,
     Expr,
     Gen,
+    Image,
     RoleBegin,
     RoleEnd,
     Select,
@@ -83,6 +84,7 @@ class StreamExecutor:
         self.meta_info: dict[str | None, Any] = {}
         self.messages: list[dict[str, str]] = []
         self.role: tuple[str, int] | None = None  # open role and where its content starts
+        self.images: list[bytes] = []  # the text's images, in placeholder order (media.py)
         self.scopes: dict[str, int] = {}
         self.events: dict[str, threading.Event] = {}
         self.pieces: list[Piece] = []
@@ -233,6 +235,8 @@ class StreamExecutor:
             self._gen(node)
         elif isinstance(node, Select):
             self._select(node)
+        elif isinstance(node, Image):
+            self._image(node)
         elif isinstance(node, RoleBegin):
             self._role_begin(node.role)
         elif isinstance(node, RoleEnd):
@@ -252,6 +256,18 @@ class StreamExecutor:
             self.api.fill(self, text)
         else:
             self.append(text)
+
+    def _image(self, node: Image) -> None:
+        """The image's placeholder joins the text (the runtime model's); its bytes go with
+        every later gen. Raises ValueError where the backend cannot take images."""
+        if self.api is not None:
+            raise ValueError("image() needs a radixflow runtime backend, not a hosted API")
+        info = self.backend.model_info() if hasattr(self.backend, "model_info") else {}
+        vision = info.get("vision")
+        if not vision:
+            raise ValueError("the runtime's model takes no images (a text-only model)")
+        self.images.append(node.data)
+        self._fill(vision["placeholder"])
 
     def append(self, text: str, var: str | None = None, meta: dict | None = None) -> None:
         with self.cond:
@@ -273,6 +289,8 @@ class StreamExecutor:
             text, meta = self._gen_stream(node.name, sampling, options)
             self.set_var(node.name, text, meta)
             return
+        if self.images:
+            options = {**options, "image_data": list(self.images)}
         out = self.backend.generate(self.text, sampling, **options)
         if num == 1:
             self.append(out["text"], node.name)
@@ -290,6 +308,8 @@ class StreamExecutor:
         """Stream one gen's chunks into the text; its final meta holds all the logprobs the
         chunks brought (each chunk's meta only its new tokens')."""
         base, shown, meta = self.text, "", {}
+        if self.images:
+            options = {**options, "image_data": list(self.images)}
         streamed: dict[str, list[Any]] = {}
         for chunk in self.backend.generate_stream(base, sampling, **options):
             meta, new = chunk["meta_info"], chunk["text"]
@@ -308,6 +328,8 @@ class StreamExecutor:
         if self.api is not None:
             self.api.select(self, node.name, list(node.choices), node.choices_method)
             return
+        if self.images:
+            raise ValueError("select() after an image is not supported: use gen(regex=...)")
         method = node.choices_method
         unconditional = method.requires_unconditional_logprobs
         # Token healing: "Action: " + choice would score the choice without its natural
@@ -365,6 +387,7 @@ class StreamExecutor:
             use_thread=self.use_thread,
         )
         child.text, child.messages, child.role = self.text, list(self.messages), self.role
+        child.images = list(self.images)
         child.scopes, child.variables = dict(self.scopes), dict(self.variables)
         child.meta_info, child.exc = dict(self.meta_info), self.exc
         child.api = self.api.fork() if self.api is not None else None

@@ -6,7 +6,7 @@ flattened leaves to the state's stream, which executes them in order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # dtype constraints (SGLang's meanings): gen(dtype=int) == gen(regex=REGEX_INT, stop=[" ", "\n"]).
@@ -48,6 +48,13 @@ class Select(Expr):
     name: str | None
     choices: tuple[str, ...]
     choices_method: Any
+
+
+@dataclass(frozen=True)
+class Image(Expr):
+    """An image for the prompt (radixflow.media): its encoded file's bytes."""
+
+    data: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)

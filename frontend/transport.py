@@ -36,6 +36,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     rid: str | None = None
     lora_path: str | None = None  # a LoRA adapter loaded on the server, by name
+    image_data: list[bytes] | None = None  # a vision model's images (encoded files)
 
 
 @dataclass(frozen=True)

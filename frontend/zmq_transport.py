@@ -207,6 +207,7 @@ def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
         logprob_start_len=request.logprob_start_len,
         top_logprobs_num=request.top_logprobs_num,
         lora_path=request.lora_path,
+        image_data=list(request.image_data) if request.image_data else None,
     )
 
 

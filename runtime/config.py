@@ -181,6 +181,22 @@ class ServerConfig:
     grammar_workers: int = _knob(2, "grammar compiler processes (a slow grammar holds only one)")
     grammar_timeout_s: float = _knob(60.0, "a grammar compiling longer than this fails")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")
+    # images (a vision model: docs/vision.md)
+    max_image_bytes: int = _knob(8 << 20, "largest image accepted (its encoded bytes)")
+    max_request_image_bytes: int = _knob(
+        24 << 20, "largest total of one request's images (encoded bytes)"
+    )
+    max_image_pixels: int = _knob(
+        40_000_000, "largest image accepted in decoded pixels (width x height)"
+    )
+    allow_local_media: bool = _knob(
+        False,
+        "accept images named by a path on the server's disk (/generate image_data, chat "
+        "image_url file paths); off: refused",
+    )
+    allow_remote_media: bool = _knob(
+        False, "fetch http(s) image URLs (chat image_url, /generate image_data); off: refused"
+    )
     shutdown_timeout: float = _knob(
         30.0,
         "on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones are refused "

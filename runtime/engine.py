@@ -25,6 +25,7 @@ from radixflow.runtime.protocol.limits import RequestLimits
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY, POOLINGS
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
 from radixflow.runtime.scheduler.request import Req
+from radixflow.runtime.server.images import ImageRules
 
 log = logging.getLogger("radixflow.engine")
 PREFILL_ONLY = SamplingParams(max_new_tokens=0)
@@ -57,6 +58,16 @@ def normalize_prompts(
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("prompt must be a string or a list of strings")
     return [tokenizer.encode(t, add_special_tokens=special) for t in texts], list(texts), single
+
+
+def _per_prompt(image_data: list[Any] | None, single: bool, num_prompts: int) -> list[list[Any]]:
+    """`image_data` as one list of images per prompt (a single prompt's list is wrapped)."""
+    if not image_data:
+        return []
+    lists = [image_data] if single else image_data
+    if len(lists) != num_prompts or not all(isinstance(x, list) for x in lists):
+        raise ValueError("image_data: one list of images per prompt")
+    return lists
 
 
 class Engine:
@@ -108,13 +119,15 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        image_data: list[Any] | None = None,
     ) -> list[EngineRequest]:
         """Validate and queue requests (n per prompt, prompt-major); they run on `step()`.
         Raises ValueError on bad input, before anything is queued."""
-        id_lists, _, _ = normalize_prompts(prompt, input_ids, self.tokenizer)
+        id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
         reqs = self._build(
-            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream
-        )
+            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream,
+            _per_prompt(image_data, single, len(id_lists)),
+        )  # fmt: skip
         for req in reqs:
             self.scheduler.add_request(req)
         return [EngineRequest(req, self.tokenizer) for req in reqs]
@@ -136,15 +149,19 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        image_data: list[Any] | None = None,
     ) -> Any:
         """Generate for one prompt (a dict, or a list of n dicts when n > 1) or a list of
         prompts (a list of dicts, n per prompt). `stream=True` (one prompt, n == 1) returns
         an iterator of chunks (`EngineRequest.next_chunk`: cumulative text, the new tokens'
-        logprobs). Raises ValueError on bad parameters."""
+        logprobs). `image_data` (a vision model): the images of one prompt, in the order of
+        its image placeholders (bytes, data: URL, base64, a path), or a list of such lists
+        for a list of prompts. Raises ValueError on bad parameters or images."""
         id_lists, _, single = normalize_prompts(prompt, input_ids, self.tokenizer)
         reqs = self._build(
-            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream
-        )
+            id_lists, sampling_params, return_logprob, logprob_start_len, top_logprobs_num, stream,
+            _per_prompt(image_data, single, len(id_lists)),
+        )  # fmt: skip
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream=True takes one prompt with n == 1")
@@ -233,6 +250,7 @@ class Engine:
         logprob_start_len: int,
         top_logprobs_num: int,
         stream: bool,
+        images: list[list[Any]] | None = None,
     ) -> list[Req]:
         """One typed Req per prompt and sample; every check runs before any is queued."""
         if self.config.is_embedding:
@@ -245,8 +263,11 @@ class Engine:
         if len(params) != len(id_lists):
             raise ValueError("sampling_params list must match the number of prompts")
         reqs = []
-        for ids, p in zip(id_lists, params):
+        for i, (ids, p) in enumerate(zip(id_lists, params)):
             sampling = SamplingParams.from_dict(with_defaults(p, self.model_info)[0])
+            keyed, items = ids, []
+            if images and images[i]:
+                ids, keyed, items = self.image_rules().items(images[i], ids, self.limits.vocab_size)
             self.limits.check(ids, sampling)
             if not -1 <= logprob_start_len < len(ids):
                 raise ValueError(f"logprob_start_len must be in [-1, {len(ids)})")
@@ -255,7 +276,8 @@ class Engine:
                 reqs.append(
                     Req(
                         rid=f"engine-{next(self._ids)}",
-                        input_ids=list(ids),
+                        input_ids=list(keyed),
+                        images=list(items),
                         sampling=dataclasses.replace(sampling, n=1, seed=seed),
                         return_logprob=return_logprob,
                         logprob_start_len=logprob_start_len,
@@ -264,6 +286,13 @@ class Engine:
                     )
                 )
         return reqs
+
+    def image_rules(self) -> ImageRules:
+        c = self.config
+        return ImageRules(
+            self.model_info.get("vision"), c.max_image_bytes, c.max_request_image_bytes,
+            c.max_image_pixels, c.allow_local_media,
+        )  # fmt: skip
 
     def _stream(self, req: Req) -> Iterator[dict[str, Any]]:
         self.scheduler.add_request(req)

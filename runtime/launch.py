@@ -177,7 +177,10 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         eos_token_ids=eos,
         context_len=context_len,
         vocab_size=model.config.vocab_size,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        # an image's placeholders are keyed past the vocabulary (server/images.py): not text
+        decode=lambda ids: tokenizer.decode(
+            [t for t in ids if t < len(tokenizer)], skip_special_tokens=True
+        ),
         grammars=None  # embeddings only: no generation, no grammar
         if config.is_embedding
         else _grammar_backend(config, tokenizer, model.config.vocab_size, eos),
@@ -218,8 +221,23 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
         "is_embedding": config.is_embedding,
         "pooling": sentence_pooling(model_dir) if encoder else "last",  # an embed's default
         "lora_adapters": dict(scheduler.loras.paths),  # at start; the server follows changes
+        # a vision model's image tokens and processor sizes (server/images.py); None: text only
+        # (tensor-parallel ranks hold no vision tower: images are refused there)
+        "vision": vision_model_info(
+            getattr(model, "vision", None) if config.tp_size == 1 else None, tokenizer
+        ),
     }
     return ModelBundle(scheduler, tokenizer, info, loaded, time.perf_counter() - start)
+
+
+def vision_model_info(vision: Any, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any] | None:
+    """A vision model's token ids, processor sizes and the text of one image's placeholder
+    (what a program writes for an image: <|vision_start|><|image_pad|><|vision_end|>)."""
+    if vision is None:
+        return None
+    info = vision.info
+    ids = [info["vision_start_token_id"], info["image_token_id"], info["vision_end_token_id"]]
+    return {**info, "placeholder": tokenizer.decode(ids)}
 
 
 def _grammar_backend(

@@ -276,6 +276,27 @@ def emptied(server: Server) -> Server:
     return server
 
 
+@pytest.fixture(scope="session")
+def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server on the tiny random Qwen2.5-VL checkpoint (tests/vision_models.py), shared by
+    the image modules: local paths and remote URLs allowed, small image and context limits.
+    `.root` holds the checkpoint's folder (images may be written there)."""
+    from family_models import one_thread  # noqa: PLC0415 (transformers: only image modules)
+    from vision_models import save_qwen2_5_vl  # noqa: PLC0415
+
+    root = tmp_path_factory.mktemp("vl")
+    with one_thread():
+        path, _ = save_qwen2_5_vl(root)
+    options = dict(
+        model_path=str(path), max_total_tokens=2048, context_length=160, num_threads=1,
+        allow_local_media=True, allow_remote_media=True, max_image_bytes=40_000,
+        log_level="warning",
+    )  # fmt: skip
+    with start_server(**options) as server:
+        server.root = root
+        yield server
+
+
 SHARED_KEY = "shared-secret"  # keyed_server's --api-key
 
 

@@ -100,12 +100,13 @@ class EngineBackend:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        image_data: list[bytes] | None = None,
         **_: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """-> {"text", "output_ids", "meta_info"}; a list of n of those when n > 1 (the n
         samples are admitted together and prefill the prompt once)."""
         options = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len)
-        options.update(top_logprobs_num=top_logprobs_num)
+        options.update(top_logprobs_num=top_logprobs_num, image_data=image_data)
         prompt = {"input_ids": input_ids} if input_ids is not None else {"prompt": text}
         call = Call(
             lambda: self.engine.submit(**prompt, sampling_params=sampling_params, **options)
@@ -121,6 +122,7 @@ class EngineBackend:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        image_data: list[bytes] | None = None,
         **_: Any,
     ) -> Iterator[dict[str, Any]]:
         """Chunks as RuntimeEndpoint streams them (cumulative text, the new tokens' logprobs),
@@ -128,7 +130,7 @@ class EngineBackend:
         if (sampling_params or {}).get("n", 1) != 1:
             raise ValueError("gen(n>1) cannot stream")
         options = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len)
-        options.update(top_logprobs_num=top_logprobs_num, stream=True)
+        options.update(top_logprobs_num=top_logprobs_num, stream=True, image_data=image_data)
         call = Call(lambda: self.engine.submit(text, sampling_params, **options), stream=True)
         self._send(call)
         while True:

@@ -29,7 +29,7 @@ EMPTY = np.zeros(0, dtype=np.int64)
 # Keys are token ids moved into a namespace: id + (namespace << NAMESPACE_SHIFT). A LoRA
 # adapter's requests key under its own (scheduler/request.py `cache_key`), so no match ever
 # crosses from one adapter's KV to another's; namespace 0 is the base model's plain ids.
-NAMESPACE_SHIFT = 32
+NAMESPACE_SHIFT = 48  # image keys (server/images.py: up to vocab + 2**40) stay in namespace 0
 TOKEN_MASK = (1 << NAMESPACE_SHIFT) - 1
 
 

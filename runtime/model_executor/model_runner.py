@@ -26,6 +26,7 @@ from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
 from radixflow.runtime.model_executor.threads import ThreadGovernor
+from radixflow.runtime.model_executor.vision_step import load_vision
 from radixflow.runtime.models import checkpoint_quant, gguf_file, quantized
 from radixflow.runtime.models.bert import Encoder, EncoderConfig
 from radixflow.runtime.models.layers import CausalLM, ModelConfig
@@ -93,6 +94,7 @@ def load_model(
     model = CausalLM(model_config, ops)
     model.load_hf_state_dict(state)
     model = model.to(device=device, dtype=dtype).eval()
+    model.vision = load_vision(model, model_dir, hf_config, state)  # None: text only
     del state
     if config.quantization == "int8":
         _quantized_only_on_cpu(device, dtype)
@@ -315,11 +317,16 @@ class ModelRunner:
             copy_slots(self.v_caches, src, dst)
         hidden = None
         with torch.inference_mode():
-            graphs = self.graphs if not len(plan.lora_ids) else None  # graphs know no LoRA
+            # graphs take 1-D positions and know no LoRA: a step with images (mrope positions)
+            # or adapter rows runs eagerly
+            eager = len(plan.lora_ids) or plan.mrope_positions is not None
+            graphs = self.graphs if not eager else None
             logits = graphs.replay(plan) if graphs is not None else None
             if logits is None:
                 batch = self.inputs.forward_batch(plan)
                 batch.lora = self.loras.batch(plan.lora_ids) if self.loras is not None else None
+                if plan.mrope_positions is not None:  # images: model_executor/vision_step.py
+                    self.model.vision.splice(plan, batch)
                 if self.split is not None:
                     self.split.start(len(batch.input_ids), batch.num_extend_tokens == 0)
                 logits = self.model(batch, self.k_layers, self.v_layers)  # (R, V) fp32

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",  # its text model; the vision tower is skipped
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",  # text model, mrope and vision tower
     # encoders, for embeddings only (--is-embedding)
     "BertModel": "bert",
     "RobertaModel": "bert",
@@ -37,6 +38,7 @@ MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",

@@ -74,6 +74,8 @@ class ModelConfig:
     # another modality the text model does not use (skipped, and logged)
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     skipped_prefixes: tuple[str, ...] = ()
+    # multimodal rope (Qwen2.5-VL): rotary frequencies per position axis (t, h, w); empty: off
+    mrope_section: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -159,6 +161,11 @@ class ForwardBatch:
     # backend index layouts, derived once per forward: {("extend" | "decode", window): layout}
     layouts: dict[tuple[str, int], Any] = field(default_factory=dict)
     lora: LoraBatch | None = None  # the rows under LoRA adapters, by adapter (models/lora.py)
+    # images (models/qwen2_5_vl.py): (3, T) mrope positions, and embeddings replacing the
+    # token embeddings of rows `embed_rows` (K,) with `embeds` (K, hidden)
+    mrope_positions: torch.Tensor | None = None
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
 
 def rms_norm(
@@ -366,7 +373,10 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
         if self.config.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
-        rope = self.rope(batch.positions, hidden.dtype)
+        if batch.embeds is not None:  # an image's rows: its vision embeddings
+            hidden = hidden.index_copy(0, batch.embed_rows, batch.embeds.to(hidden.dtype))
+        positions = batch.positions if batch.mrope_positions is None else batch.mrope_positions
+        rope = self.rope(positions, hidden.dtype)
         local_rope = self.sliding_rope(batch.positions, hidden.dtype) if self.sliding_rope else rope
         residual, looped = None, None
         if self.decode_loop is not None and not batch.num_extend_tokens and batch.lora is None:

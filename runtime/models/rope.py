@@ -64,14 +64,32 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         self.original_max_position, self.scale = original, scale
+        # mrope: which position axis (t, h, w) each frequency reads (Qwen2.5-VL); None: 1-D
+        section = tuple(getattr(config, "mrope_section", ()) or ())
+        axes = [i % 3 for i, n in enumerate(section) for _ in range(n)]
+        assert not section or len(axes) == len(inv_freq), f"{section=} {len(inv_freq)=}"
+        self.mrope_axes = torch.tensor(axes, dtype=torch.int64) if section else None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions (T,) -> cos, sin (T, 1, rotary_dim) in the rotate-half layout."""
+        """positions (T,), or (3, T) with mrope -> cos, sin (T, 1, rotary_dim) in the
+        rotate-half layout."""
+        if positions.dim() == 2:
+            return self.mrope(positions, dtype)
         inv_freq = self.inv_freq[None, :]  # (1, rotary_dim/2)
         if self.long_inv_freq is not None:
             is_long = (positions >= self.original_max_position)[:, None]
             inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
         freqs = positions[:, None].float() * inv_freq  # (T, rotary_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, rotary_dim)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def mrope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions (3, T) -> cos, sin (T, 1, rotary_dim): frequency j rotates by the position
+        on axis `mrope_axes[j]` (transformers' mrope_section split); a 1-D table when equal."""
+        assert self.mrope_axes is not None, "(3, T) positions given to a model without mrope"
+        freqs = positions[:, :, None].float() * self.inv_freq  # (3, T, rotary_dim/2)
+        axes = self.mrope_axes.to(positions.device)[None, :].expand(positions.shape[1], -1)
+        freqs = freqs.gather(0, axes[None]).squeeze(0)  # (T, rotary_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, rotary_dim)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 

@@ -215,6 +215,8 @@ def _matches_shallow(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if hint is bytes:
+        return isinstance(value, bytes)
     origin = typing.get_origin(hint)
     if origin in (list, tuple):
         return isinstance(value, list)

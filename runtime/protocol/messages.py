@@ -164,6 +164,10 @@ class Generate:
     top_logprobs_num: int = 0
     priority: int = 0  # larger first, with --enable-priority-scheduling
     lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field)
+    # images of a vision model, in the order of the image placeholders in the prompt: each an
+    # encoded file's bytes (PNG, JPEG, ...), or a str (a data: URL or base64; a local path
+    # where the server allows it)
+    image_data: list[bytes | str] | None = None
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,17 @@ class Error:
 
 
 @dataclass(frozen=True)
+class ImageItem:
+    """One image of a request, checked and measured by the server (inside ReqSpec)."""
+
+    data: bytes  # the encoded file (PNG, JPEG, ...), decoded again where it is encoded
+    key: int  # from a hash of its decoded pixels: the tree key of its placeholder tokens
+    offset: int  # index of its first placeholder token in the prompt
+    grid: list[int]  # (t, h, w) in patches, before the spatial merge
+    num_tokens: int  # placeholder tokens: t * h * w / merge_size**2
+
+
+@dataclass(frozen=True)
 class ReqSpec:
     """One scheduler request (not a message itself: travels inside AddRequests)."""
 
@@ -295,6 +310,8 @@ class ReqSpec:
     priority: int = 0
     pooling: str = ""  # an embedding request (one of POOLINGS, prefill only); "" generates
     lora: str = ""  # the LoRA adapter's name; "": the base model
+    # a vision model's images; their placeholder ids in input_ids are already `key`s
+    images: list[ImageItem] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

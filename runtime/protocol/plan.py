@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixflow.runtime.protocol.messages import ImageItem
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 I64 = np.int64
@@ -50,6 +51,11 @@ class BatchPlan:
     # (T,) per row: the LoRA adapter it runs under (0: the base model); empty: every row the
     # base's. At most --max-loras-per-batch distinct adapters (runtime/models/lora.py)
     lora_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))
+    # images (runtime/scheduler/images.py): (3, T) mrope positions when a row needs them, and
+    # the extend rows of image tokens with, per run of them, (image, first token, count)
+    mrope_positions: np.ndarray | None = None
+    image_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=I64))  # (K,)
+    image_parts: list[tuple[ImageItem, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

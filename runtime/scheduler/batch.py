@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from radixflow.runtime.protocol.plan import I64, BatchPlan
+from radixflow.runtime.scheduler.images import add_images
 
 if TYPE_CHECKING:
     from radixflow.runtime.scheduler.request import Req
@@ -122,6 +123,7 @@ def build_plan(
             wanted += range(at, at + 1 + len(req.draft_ids))
         at += 1 + len(req.draft_ids)
     plan.prob_rows = np.asarray(wanted, I64)
+    add_images(plan, extends, verifies or [], decodes)
     return plan, sample_reqs
 
 

@@ -126,6 +126,7 @@ class SchedulerLoop:
             priority=spec.priority,
             pooling=spec.pooling,
             lora=self.scheduler.loras.id_of(spec.lora) or 0,
+            images=list(spec.images),
         )
         self.live[req.rid] = req
         self.scheduler.add_request(req)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from radixflow.runtime.cache.radix_cache import NAMESPACE_SHIFT, Node
+from radixflow.runtime.protocol.messages import ImageItem
 from radixflow.runtime.protocol.sampling import SamplingParams
 
 THINKING_END_WINDOW = 16  # output tokens searched for the think block's end, each step
@@ -47,6 +48,9 @@ class Req:
     # the LoRA adapter's id (scheduler/lora_table.py; 0: the base model): its rows run under
     # that adapter, and its KV lives in the adapter's own part of the radix tree (`cache_key`)
     lora: int = 0
+    # a vision model's images (their placeholders keyed in input_ids: scheduler/images.py)
+    images: list[ImageItem] = field(default_factory=list)
+    mrope: tuple[np.ndarray, int] | None = None  # the prompt's (3, L) positions and the delta
 
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.WAITING

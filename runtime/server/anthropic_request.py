@@ -6,9 +6,10 @@ start with "Error: "), custom tools OpenAI functions, `tool_choice` any `require
 `chat_template_kwargs.enable_thinking`, `output_config.format` `response_format`.
 
 Anthropic validates strictly, and so does this door: a wrong type, an unknown role, a
-`tool_result` for no earlier `tool_use`, or a block radixflow cannot take (images, documents,
-hosted tools) is a 400 naming the field. Unknown top-level fields are ignored with a warning,
-as on the OpenAI routes.
+`tool_result` for no earlier `tool_use`, or a block radixflow cannot take (documents, hosted
+tools) is a 400 naming the field. A user turn's `image` blocks (base64 or url source) become
+OpenAI `image_url` parts (a vision model's; a text-only model refuses them with a 400).
+Unknown top-level fields are ignored with a warning, as on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ def text_of(block: Any, where: str) -> str:
     return block["text"]
 
 
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's
+
+
 def unsupported(kind: Any) -> str:
-    if kind in ("image", "document"):
-        return " (radixflow has no vision or document input yet)"
+    if kind == "document":
+        return " (radixflow has no document input)"
     return ""
 
 
@@ -151,21 +155,54 @@ def blocks_of(content: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
 def user_turn(blocks: list[tuple[str, dict]], names: dict[str, str]) -> list[dict[str, Any]]:
     """Text blocks as user messages, tool_result blocks as tool messages, in their order."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # OpenAI content parts: text, image_url
     for where, block in blocks:
         if block["type"] == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": JOIN.join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": user_content(parts)})
+                parts = []
             out.append(tool_message(block, where, names))
         elif block["type"] == "text":
-            texts.append(text_of(block, where))
+            parts.append({"type": "text", "text": text_of(block, where)})
+        elif block["type"] == "image":
+            parts.append({"type": "image_url", "image_url": {"url": image_url(block, where)}})
         else:
             kind = block["type"]
             raise bad(f"{where}: a {kind!r} block cannot be in a user turn{unsupported(kind)}")
-    if texts:
-        out.append({"role": "user", "content": JOIN.join(texts)})
+    if parts:
+        out.append({"role": "user", "content": user_content(parts)})
     return out
+
+
+def user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text alone: one string (blocks joined); with images: parts, adjacent texts joined."""
+    if all(p["type"] == "text" for p in parts):
+        return JOIN.join(p["text"] for p in parts)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if part["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + JOIN + part["text"]}
+        else:
+            out.append(part)
+    return out
+
+
+def image_url(block: dict[str, Any], where: str) -> str:
+    """An image block's source as the URL the chat core reads: base64 as a data: URL (of
+    Anthropic's media types), a url source as it is (the server's remote policy applies)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if media not in IMAGE_TYPES:
+            raise bad(f"{where}.source.media_type must be one of {IMAGE_TYPES}", "messages")
+        if not isinstance(data, str) or not data:
+            raise bad(f"{where}.source.data must be a base64 string", "messages")
+        return f"data:{media};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad(f"{where}.source must be {{type: base64, media_type, data}} or {{type: url, url}}",
+              "messages")  # fmt: skip
 
 
 def tool_message(block: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, Any]:

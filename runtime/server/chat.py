@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixflow.runtime.server.images import TEXT_ONLY, ImageError
 from radixflow.runtime.server.reasoning import CLOSE, ReasoningParser
 from radixflow.runtime.server.tool_calls import (
     Format,
@@ -56,6 +57,7 @@ class ChatPlan:
     after: str = ""  # constraints apply once the reply has written this ("</think>")
     soft: bool = False  # the constraint (auto's trigger) gives way to the request's own
     budget: int | None = None  # most tokens of thinking before the scheduler ends the block
+    images: list[str] = field(default_factory=list)  # image_url URLs, in prompt order
 
     def sampling(self, params: dict[str, Any]) -> dict[str, Any]:
         """The request's sampling params with this plan's constraint; ToolError when both
@@ -120,9 +122,10 @@ class ChatStream:
         return out
 
 
-def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
-    """Render a chat request's prompt and read its tool and reasoning options. Raises
-    ToolError (or ValueError) naming the field that is wrong."""
+def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any, vision: bool = False) -> ChatPlan:
+    """Render a chat request's prompt and read its tool and reasoning options; `vision`:
+    whether the model takes images (image parts are refused otherwise). Raises ToolError
+    (or ValueError) naming the field that is wrong."""
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls", True)
@@ -135,7 +138,10 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     name = config.tool_call_parser or infer_format(getattr(tokenizer, "chat_template", None))
     fmt = get_format(name) if choice.mode != "none" else None
     generic = name == "generic"
-    messages = clean_messages(body.get("messages"), generic)
+    images: list[str] = []
+    messages = clean_messages(body.get("messages"), generic, images)
+    if images and not vision:
+        raise ImageError(TEXT_ONLY)
     offered = chosen(tools, choice) if fmt is not None else []
     if generic and offered:
         messages = with_system(messages, generic_system(offered))
@@ -156,7 +162,7 @@ def plan_chat(body: dict[str, Any], tokenizer: Any, config: Any) -> ChatPlan:
     reader = reasoning if separate else None
     soft = trigger is not None and choice.mode == "auto" and not generic
     budget = thinking_budget(body)
-    return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft, budget)
+    return ChatPlan(prompt, constraint, fmt, reader, thinking, after, soft, budget, images)
 
 
 EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
@@ -231,7 +237,11 @@ def regex_literal(text: str) -> str:
     return "".join("\\" + c if c in REGEX_META else c for c in text)
 
 
-def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:
+def clean_messages(
+    messages: Any, generic: bool, images: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; each image_url part's URL is appended
+    to `images` (in prompt order) and stays in its message as an image part."""
     if not isinstance(messages, list) or not messages:
         raise ToolError("messages must be a non-empty list")
     clean = []
@@ -239,13 +249,13 @@ def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise ToolError(f"messages[{i}] needs a role in {ROLES}")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                raise ToolError(f"messages[{i}]: only text content parts are supported")
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):  # content parts: text, and image_url
+            parts = [content_part(p, f"messages[{i}]", images) for p in content]
+            if any(p["type"] == "image" for p in parts):
+                role = "system" if message["role"] == "developer" else message["role"]
+                clean.append({"role": role, "content": parts})
+                continue
+            content = "".join(p["text"] for p in parts)
         calls = message.get("tool_calls") if message["role"] == "assistant" else None
         if content is None and not calls:
             raise ToolError(f"messages[{i}].content must be a string")
@@ -254,6 +264,23 @@ def clean_messages(messages: Any, generic: bool) -> list[dict[str, Any]]:
         role = "system" if message["role"] == "developer" else message["role"]
         clean.append(message_for_template({**message, "role": role, "content": content}, generic))
     return clean
+
+
+def content_part(part: Any, where: str, images: list[str] | None) -> dict[str, Any]:
+    """A text part as it is; an image_url part (OpenAI's: {"url": ...} or the URL) becomes
+    {"type": "image"} for the template, its URL appended to `images`."""
+    if not isinstance(part, dict):
+        raise ToolError(f"{where}: a content part must be an object")
+    if part.get("type") == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if part.get("type") == "image_url" and images is not None:
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise ToolError(f"{where}: an image_url part needs image_url.url (a string)")
+        images.append(url)
+        return {"type": "image"}
+    raise ToolError(f"{where}: content parts must be text or image_url")
 
 
 def with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

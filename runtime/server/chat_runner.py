@@ -20,6 +20,7 @@ from typing import Any
 from radixflow.runtime.protocol.messages import Chunk, Error, Generate
 from radixflow.runtime.server.chat import ChatPlan, ChatStream
 from radixflow.runtime.server.http_request import STATUS_OF_CODE, HttpError, prepend
+from radixflow.runtime.server.media_fetch import fetch_media
 from radixflow.runtime.server.tool_calls import ToolCall
 
 
@@ -92,7 +93,8 @@ class ChatRunner:
 
     async def complete(self, job: ChatJob) -> list[ChatReply]:
         """Every choice, finished; an error reply raises as an HttpError."""
-        finals = await self.door.finals(self.door.submit(job.msgs))
+        msgs = await fetch_media(job.msgs, self.door.server.config)  # remote image URLs
+        finals = await self.door.finals(self.door.submit(msgs))
         return [self.reply(job.plan, data["text"], data["meta_info"]) for data in finals]
 
     @staticmethod
@@ -106,7 +108,7 @@ class ChatRunner:
     async def stream(self, job: ChatJob) -> AsyncIterator[ChatEvent]:
         """Events as the replies arrive (see the module docstring). Closing the iterator early
         (the client went away) aborts what is still running."""
-        sinks = self.door.submit(job.msgs)
+        sinks = self.door.submit(await fetch_media(job.msgs, self.door.server.config))
         readers = [ChatStream(job.plan) for _ in sinks]
         async with contextlib.aclosing(self.door.replies(sinks)) as replies:
             first = await self.door.first_reply(replies)  # a refusal raises its status here

@@ -57,6 +57,7 @@ from radixflow.runtime.server.http_request import (
 )
 from radixflow.runtime.server.infill_api import InfillRoutes
 from radixflow.runtime.server.lora_api import LoraRoutes
+from radixflow.runtime.server.media_fetch import fetch_media
 from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
@@ -318,7 +319,7 @@ class HttpDoor:
         body = await self.body(request)
         batch, msgs = parse_generate(body)
         text_in_logprobs = bool(body.get("return_text_in_logprobs"))
-        sinks = self.submit(msgs)
+        sinks = self.submit(await fetch_media(msgs, self.server.config))  # remote image URLs
         if msgs[0].stream:
             return await self.generate_stream(request, sinks, batch, text_in_logprobs)
         outs = [self.native(d, text_in_logprobs) for d in await self.finals(sinks)]

@@ -60,7 +60,6 @@ GENERATE_NOOP = {
     "return_bytes": False,
     "return_entropy": False,
     "return_prompt_token_ids": False,
-    "image_data": None,
     "video_data": None,
     "audio_data": None,
     "input_embeds": None,
@@ -92,6 +91,7 @@ GENERATE_FIELDS = {
     "return_text_in_logprobs",
     "priority",
     "lora_path",  # a loaded LoRA adapter's name, or a list of them (None: the base), per prompt
+    "image_data",
 }
 # sampling_params names of SGLang's that are no-ops here at these values
 SAMPLING_NOOP = {
@@ -157,6 +157,28 @@ async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 # ---- body validation -------------------------------------------------------------------
+
+
+def image_lists(value: Any, count: int, batch: bool) -> list[list[str] | None]:
+    """SGLang's `image_data`: one image (a string) or a list of them for one prompt; for a
+    batch a list with one entry (a string, a list or null) per prompt. -> per prompt."""
+    if value is None or value == []:
+        return [None] * count
+    if not batch:
+        value = [value]
+    if not isinstance(value, list) or len(value) != count:
+        raise HttpError(400, f"image_data: one entry per prompt ({count})", "image_data")
+    out: list[list[str] | None] = []
+    for entry in value:
+        entry = [entry] if isinstance(entry, str) else entry
+        if entry is not None and not (
+            isinstance(entry, list) and all(isinstance(x, str) for x in entry)
+        ):
+            raise HttpError(
+                400, "image_data entries must be strings (data: URL, base64, path)", "image_data"
+            )
+        out.append(entry or None)
+    return out
 
 
 def check_fields(body: dict, honored: set[str], noop: dict, any_value: tuple, where: str) -> None:
@@ -280,6 +302,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
     priority = per_item(body, "priority", count, int, 0)
     lora = per_item(body, "lora_path", count, str, None)
     typed(body, "return_text_in_logprobs", bool, False)
+    images = image_lists(body.get("image_data"), count, batch)
     msgs = []
     for i, (kind, prompt) in enumerate(prompts):
         n = sampling[i].get("n", 1)
@@ -300,6 +323,7 @@ def parse_generate(body: Any) -> tuple[bool, list[Generate]]:
                     top_logprobs_num=top[i],
                     priority=priority[i],
                     lora_path=lora[i],
+                    image_data=images[i],
                     **{kind: prompt},
                 )
             )

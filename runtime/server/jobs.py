@@ -15,6 +15,7 @@ from radixflow.runtime.protocol.messages import (
     Chunk,
     Error,
     Generate,
+    ImageItem,
     ReqSpec,
     ReqUpdate,
     Result,
@@ -42,8 +43,10 @@ def prefill_spec(ids: list[int], logprob_start_len: int) -> ReqSpec:
     )
 
 
-def generate_spec(msg: Generate, ids: list[int], sampling: SamplingParams) -> ReqSpec:
-    """The scheduler request of a checked generate message."""
+def generate_spec(
+    msg: Generate, ids: list[int], sampling: SamplingParams, images: list[ImageItem] = ()
+) -> ReqSpec:
+    """The scheduler request of a checked generate message (with its images' keys in `ids`)."""
     return ReqSpec(
         "",
         ids,
@@ -54,6 +57,7 @@ def generate_spec(msg: Generate, ids: list[int], sampling: SamplingParams) -> Re
         top_logprobs_num=msg.top_logprobs_num,
         priority=msg.priority,
         lora=msg.lora_path or "",
+        images=list(images),
     )
 
 

@@ -35,7 +35,7 @@ from radixflow.runtime.server.http_request import (
     prepend,
     typed,
 )
-from radixflow.runtime.server.ollama_messages import NO_VISION, chat_messages
+from radixflow.runtime.server.ollama_messages import chat_messages, with_images
 from radixflow.runtime.server.tool_calls import ToolCall
 
 # Ollama 0.12's API is what this door speaks. Clients parse the version as semver and gate
@@ -354,8 +354,11 @@ class OllamaRoutes:
         else:
             system = typed(body, "system", str, "")
             turns = [{"role": "system", "content": system}] if system else []
+            user: Any = prompt
+            if body.get("images"):  # a vision model's: the chat core refuses them otherwise
+                user = with_images(prompt, body["images"], "images")
             job = self.openai.chat_job(
-                {"messages": [*turns, {"role": "user", "content": prompt}], **fields}
+                {"messages": [*turns, {"role": "user", "content": user}], **fields}
             )
             ids = [*context, *job.msgs[0].input_ids]
             job = ChatJob(job.plan, [dataclasses.replace(job.msgs[0], input_ids=ids)], job.body)
@@ -442,8 +445,8 @@ def refuse_generate_fields(body: dict[str, Any], raw: bool) -> None:
     """What /api/generate cannot honour here, refused rather than ignored."""
     if raw and (body.get("system") or body.get("think") not in (None, False)):
         raise HttpError(400, "system and think need the chat template: raw is true", "raw")
-    if body.get("images"):
-        raise HttpError(400, NO_VISION, "images")
+    if raw and body.get("images"):
+        raise HttpError(400, "images need the chat template: raw is true", "images")
     if body.get("template"):
         why = "prompts go through the model's own chat template (or raw: true)"
         raise HttpError(400, f"template is not supported: {why}", "template")

@@ -8,7 +8,6 @@ from typing import Any
 from radixflow.runtime.server.http_request import HttpError
 
 ROLES = ("system", "user", "assistant", "tool")
-NO_VISION = "this model has no vision: images are not supported"
 
 
 def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -20,12 +19,12 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "role")
-        if message.get("images"):
-            raise HttpError(400, NO_VISION, "images")
         content = message.get("content") or ""  # clients drop an empty content
         if not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string", "content")
         entry: dict[str, Any] = {"role": message["role"], "content": content}
+        if message.get("images"):
+            entry["content"] = with_images(content, message["images"], f"messages[{i}].images")
         if message["role"] == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = openai_calls(message["tool_calls"], i)
             open_calls = list(entry["tool_calls"])
@@ -33,6 +32,18 @@ def chat_messages(messages: list[Any]) -> list[dict[str, Any]]:
             entry["tool_call_id"], entry["name"] = answered(message, open_calls, i)
         out.append(entry)
     return out
+
+
+def with_images(text: str, images: Any, where: str) -> list[dict[str, Any]]:
+    """Ollama's base64 `images` and the text as OpenAI content parts: the images first (in
+    their order), as data: URLs; a text-only model refuses them in the chat core."""
+    if not isinstance(images, list) or not all(isinstance(b, str) and b for b in images):
+        raise HttpError(400, f"{where} must be a list of base64 strings", "images")
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b.strip()}"}}
+        for b in images
+    ]
+    return [*parts, {"type": "text", "text": text}] if text else parts
 
 
 def openai_calls(calls: Any, i: int) -> list[dict[str, Any]]:

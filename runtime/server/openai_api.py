@@ -33,6 +33,7 @@ from radixflow.runtime.server.http_request import (
     response_format,
     typed,
 )
+from radixflow.runtime.server.media_fetch import fetch_media
 from radixflow.runtime.server.openai_shapes import echoed, finish, logprobs_of, usage_of
 
 COMMON = {
@@ -272,6 +273,7 @@ class OpenAiRoutes:
                         top_logprobs_num=max(top, 0),
                         priority=typed(body, "priority", int, 0),
                         lora_path=self.adapter_of(body),
+                        image_data=list(plan.images) if plan is not None and plan.images else None,
                     )
                 )
         return msgs
@@ -302,7 +304,8 @@ class OpenAiRoutes:
         rendered and tokenized, one Generate per choice. Every chat-shaped door builds one
         (chat_runner.py); raises HttpError naming the field that is wrong."""
         try:
-            plan = plan_chat(body, self.server.tokenizer, self.server.config)
+            vision = self.server.model_info.get("vision") is not None
+            plan = plan_chat(body, self.server.tokenizer, self.server.config, vision)
         except ValueError as e:  # ToolError among them: the message names the field
             raise HttpError(400, str(e), "messages") from e
         logprobs = typed(body, "logprobs", bool, False)
@@ -379,7 +382,7 @@ class OpenAiRoutes:
         text completion (`echoes`: each choice's prompt text, to start its text with)."""
         chat = plan is not None
         include_usage = self.stream_usage(body)  # checked even when not streaming
-        sinks = self.door.submit(msgs)
+        sinks = self.door.submit(await fetch_media(msgs, self.server.config))
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from radixflow.runtime import tokenizer
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import (
     ERROR_DUPLICATE_RID,
@@ -84,7 +85,6 @@ from radixflow.runtime.server.validation import (
     RequestRules,
 )
 from radixflow.runtime.server.zmq_door import ZmqDoor
-from radixflow.runtime import tokenizer
 from radixflow.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger("radixflow.server")
@@ -334,9 +334,9 @@ class Server:
 
     def _prepare_generate(self, identity: Any, msg: Generate) -> tuple[GenerateJob, ReqSpec]:
         self._check_new(msg.rid)
-        ids, sampling, defaults = self.rules.generate(msg)
+        ids, sampling, defaults, (keyed, images) = self.rules.generate(msg)
         job = GenerateJob(identity, msg, ids, sampling, self.tokenizer, defaults)
-        return job, generate_spec(msg, ids, sampling)
+        return job, generate_spec(msg, keyed, sampling, images)
 
     def _on_score(self, identity: Any, msg: Score) -> None:
         self._check_new(msg.rid)

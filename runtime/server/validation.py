@@ -15,8 +15,10 @@ from radixflow.runtime.protocol.messages import (
     POOLINGS,
     Embed,
     Generate,
+    ImageItem,
 )
 from radixflow.runtime.protocol.sampling import SamplingParams, with_defaults
+from radixflow.runtime.server.images import ImageError, ImageRules
 
 MAX_CHARS_PER_TOKEN = 64  # text longer than this times the context cannot fit it
 MAX_TOP_LOGPROBS = 64
@@ -43,6 +45,10 @@ class RequestRules:
 
     def __init__(self, config: ServerConfig, model_info: dict[str, Any], tokenizer: Any) -> None:
         self.config, self.model_info, self.tokenizer = config, model_info, tokenizer
+        self.images = ImageRules(
+            model_info.get("vision"), config.max_image_bytes, config.max_request_image_bytes,
+            config.max_image_pixels, config.allow_local_media,
+        )  # fmt: skip
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; text that cannot fit the context is refused untokenized (a
@@ -92,11 +98,15 @@ class RequestRules:
         except ValueError as e:
             raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
 
-    def generate(self, msg: Generate) -> tuple[list[int], SamplingParams, dict[str, Any]]:
+    def generate(
+        self, msg: Generate
+    ) -> tuple[list[int], SamplingParams, dict[str, Any], tuple[list[int], list[ImageItem]]]:
         """(prompt ids, sampling with the model's defaults for what it leaves unset, those
-        defaults) of a generate request, every field checked."""
+        defaults, (the scheduler's prompt, its images)) of a generate request, every field
+        checked. With images the prompt's placeholders are expanded (server/images.py)."""
         self.check_generation()
         ids = self.prompt_ids(msg.text, msg.input_ids)
+        ids, keyed, images = self.prompt_images(msg, ids)
         params, defaults = with_defaults(msg.sampling_params, self.model_info)
         sampling = self.sampling(params)
         self.check_limits(ids, sampling)
@@ -118,7 +128,34 @@ class RequestRules:
             raise RequestError(
                 ERROR_INVALID_REQUEST, f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]"
             )
-        return ids, sampling, defaults
+        return ids, sampling, defaults, (keyed, images)
+
+    def prompt_images(
+        self, msg: Generate, ids: list[int]
+    ) -> tuple[list[int], list[int], list[ImageItem]]:
+        """(the prompt with each image's placeholder expanded; the scheduler's copy, with the
+        images' keys there; the images), or (ids, ids, []) without images. Raises
+        RequestError (invalid_request) for a refused image."""
+        if not msg.image_data:
+            return ids, ids, []
+        vocab = self.model_info["vocab_size"]
+        try:
+            if self.config.speculative_algorithm:
+                raise ImageError("images are not served with --speculative-algorithm")
+            if msg.return_logprob and msg.logprob_start_len >= 0:
+                raise ImageError("input logprobs are not available for a prompt with images")
+            shown, keyed, images = self.images.items(msg.image_data, ids, vocab)
+        except ImageError as e:
+            raise RequestError(ERROR_INVALID_REQUEST, str(e)) from e
+        context = self.model_info["context_length"]
+        if len(keyed) >= context:
+            raise RequestError(
+                ERROR_INVALID_REQUEST,
+                f"too many images for the context: with its {len(images)} image(s) "
+                f"({sum(i.num_tokens for i in images)} tokens) the prompt has {len(keyed)} "
+                f"tokens; the context length is {context}",
+            )
+        return shown, keyed, images
 
     def embed_inputs(self, msg: Embed) -> list[list[int]]:
         """The ids of an embed request's inputs, each checked against the context exactly as
