@@ -57,10 +57,15 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def explicit_changes(args: argparse.Namespace) -> dict[str, Any]:
     """Config fields the user set (differ from the defaults)."""
     defaults = ServerConfig()
+
+    def given(name: str) -> Any:  # argparse gives lists where the config holds tuples
+        value = getattr(args, name)
+        return tuple(value) if isinstance(value, list) else value
+
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(ServerConfig)
-        if getattr(args, f.name) != getattr(defaults, f.name)
+        if given(f.name) != getattr(defaults, f.name)
     }
 
 
