@@ -266,24 +266,17 @@ def test_zeromq_streams_count_and_abort_through_the_desk(desk: SimpleNamespace) 
         endpoint.close()
 
 
-def test_zeromq_refuses_unknown_models_and_wrong_keys(desk: SimpleNamespace, shared_server) -> None:
-    """An unknown name, at the desk and at a single server, gets the protocol's error reply
-    at once; a wrong key is refused at the desk; a single server takes its own name."""
+def test_zeromq_refuses_unknown_models_and_wrong_keys(desk: SimpleNamespace) -> None:
+    """An unknown name gets the protocol's error reply at once, not a hang; a wrong key is
+    refused at the desk; neither loads anything."""
     before = sorted(loaded(desk))
-    for address, key in ((desk.address, KEY), (shared_server.address, None)):
-        endpoint = RuntimeEndpoint(address, api_key=key, model="nope", timeout=10)
-        try:
-            with pytest.raises(RuntimeEndpointError) as error:
-                endpoint.generate("Hello", {"max_new_tokens": 2})
-            assert error.value.code == "invalid_request" and "'nope'" in str(error.value)
-        finally:
-            endpoint.close()
-    own = shared_server.endpoint.model_info()["model"]
-    alone = RuntimeEndpoint(shared_server.address, model=own, timeout=60)
+    endpoint = zmq_endpoint(desk, "nope", timeout=10)
     try:
-        assert alone.model_info()["model"] == own
+        with pytest.raises(RuntimeEndpointError) as error:
+            endpoint.generate("Hello", {"max_new_tokens": 2})
+        assert error.value.code == "invalid_request" and "'nope'" in str(error.value)
     finally:
-        alone.close()
+        endpoint.close()
     wrong = RuntimeEndpoint(desk.address, api_key="wrong", model="tiny", timeout=10)
     try:
         with pytest.raises(RuntimeEndpointError) as refused:
@@ -291,7 +284,26 @@ def test_zeromq_refuses_unknown_models_and_wrong_keys(desk: SimpleNamespace, sha
         assert refused.value.code == "unauthorized"
     finally:
         wrong.close()
-    assert sorted(loaded(desk)) == before  # nothing loaded for them
+    assert sorted(loaded(desk)) == before
+
+
+def test_a_single_server_takes_only_its_own_model_name(shared_server) -> None:
+    """Over ZeroMQ a single server answers a request naming its own model, and one naming
+    another with the protocol's error reply."""
+    own = shared_server.endpoint.model_info()["model"]
+    for name in (own, "default", None):
+        endpoint = RuntimeEndpoint(shared_server.address, model=name, timeout=60)
+        try:
+            assert endpoint.model_info()["model"] == own
+        finally:
+            endpoint.close()
+    endpoint = RuntimeEndpoint(shared_server.address, model="nope", timeout=10)
+    try:
+        with pytest.raises(RuntimeEndpointError) as error:
+            endpoint.generate("Hello", {"max_new_tokens": 2})
+        assert error.value.code == "invalid_request" and "'nope'" in str(error.value)
+    finally:
+        endpoint.close()
 
 
 def test_a_third_model_evicts_the_least_recently_used(desk: SimpleNamespace) -> None:
