@@ -51,15 +51,10 @@ def open_transport(
     address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS, model: str | None = None
 ) -> Transport:
     """HTTP for http:// and https:// addresses, ZeroMQ (tcp://, ipc://) for the others. A
-    `model` name is for a server of several models (HTTP only)."""
+    `model` name is for a server of several models."""
     if address.startswith(("http://", "https://")):
         return HttpTransport(address, api_key, liveness, model)
-    if model is not None:
-        raise ValueError(
-            "RuntimeEndpoint(model=...) names a model of a server of several models, which "
-            "speaks HTTP only: give its http:// address"
-        )
-    return ZmqTransport(address, api_key, liveness)
+    return ZmqTransport(address, api_key, liveness, model)
 
 
 class RuntimeEndpoint:
@@ -71,8 +66,9 @@ class RuntimeEndpoint:
     score and cache calls wait as long as the server reports their request alive, and log why
     when they wait long (`liveness`); the other calls wait CONTROL_TIMEOUT_S. `timeout` may be
     changed later. `model` names one model of a server of several (`radixflow serve
-    --model-path NAME=PATH ...`, HTTP only): every call names it (`model` in /generate
-    bodies, `?model=` on the others); None: the server's own, or its first."""
+    --model-path NAME=PATH ...`): every call names it (over HTTP `model` in /generate bodies,
+    `?model=` on the others; over ZeroMQ each message's `model`); None: the server's own, or
+    its first."""
 
     def __init__(
         self,

@@ -64,10 +64,17 @@ log = logging.getLogger("radixflow")
 
 class ZmqTransport:
     """`Transport` over a DEALER socket: each call is one message and its reply (see
-    `Transport` for what blocks and raises)."""
+    `Transport` for what blocks and raises). `model` names the model of a server of several
+    (the desk) in every request; None: the server's own (a desk's first)."""
 
-    def __init__(self, address: str, api_key: str, liveness: Liveness = DEFAULT_LIVENESS) -> None:
-        self.address = address
+    def __init__(
+        self,
+        address: str,
+        api_key: str,
+        liveness: Liveness = DEFAULT_LIVENESS,
+        model: str | None = None,
+    ) -> None:
+        self.address, self.model = address, model
         self.connection = Connection(address, api_key, liveness)
 
     def generate(
@@ -78,8 +85,9 @@ class ZmqTransport:
         the others find it in the radix tree (or wait a step for it)."""
         samples = _samples(request)
         if len(samples) == 1:
-            return self._call(_generate_message(request, stream=False), timeout, abort=True)
-        msgs = [_generate_message(sample, stream=False) for sample in samples]
+            msg = _generate_message(request, stream=False, model=self.model)
+            return self._call(msg, timeout, abort=True)
+        msgs = [_generate_message(s, stream=False, model=self.model) for s in samples]
         waiters = [self.connection.submit(msg, timeout, watch=True) for msg in msgs]
         done = 0
         try:
@@ -94,7 +102,7 @@ class ZmqTransport:
                 self._send_abort(msg.rid)
 
     def generate_stream(self, request: GenerateRequest, timeout: float) -> Iterator[dict[str, Any]]:
-        msg = _generate_message(request, stream=True)
+        msg = _generate_message(request, stream=True, model=self.model)
         waiter = self.connection.submit(msg, timeout, watch=True)
         output_ids: list[int] = []
         num_logprobs = 0
@@ -121,11 +129,13 @@ class ZmqTransport:
     def score(
         self, prefix: str, continuations: list[str], unconditional: bool, timeout: float
     ) -> list[dict[str, Any]]:
-        msg = Score(_new_rid(), prefix, continuations, unconditional)
+        msg = Score(_new_rid(), prefix, continuations, unconditional, model=self.model)
         return self._call(msg, timeout, abort=True)["choices"]
 
     def cache_prefix(self, text: str, timeout: float) -> dict[str, Any]:
-        return self._call(CachePrefix(_new_rid(), text), timeout, abort=True)["meta_info"]
+        return self._call(CachePrefix(_new_rid(), text, self.model), timeout, abort=True)[
+            "meta_info"
+        ]
 
     def concatenate_and_append(self, src_rids: list[str], dst_rid: str, timeout: float) -> None:
         """Nothing to do: the radix cache already holds every branch."""
@@ -134,16 +144,16 @@ class ZmqTransport:
         return self._call(Abort(_new_rid(), rid), timeout)["aborted"]
 
     def flush_cache(self, timeout: float) -> bool:
-        return self._call(FlushCache(_new_rid()), timeout, watch=True)["flushed"]
+        return self._call(FlushCache(_new_rid(), self.model), timeout, watch=True)["flushed"]
 
     def model_info(self, timeout: float) -> dict[str, Any]:
-        return self._call(ModelInfo(_new_rid()), timeout)
+        return self._call(ModelInfo(_new_rid(), self.model), timeout)
 
     def stats(self, timeout: float) -> dict[str, Any]:
-        return self._call(Stats(_new_rid()), timeout)
+        return self._call(Stats(_new_rid(), self.model), timeout)
 
     def health(self, timeout: float) -> dict[str, Any]:
-        return self._call(Health(_new_rid()), timeout)
+        return self._call(Health(_new_rid(), self.model), timeout)
 
     def server_info(self, timeout: float) -> dict[str, Any]:
         """The model info and the stats in one dict."""
@@ -196,7 +206,7 @@ def _samples(request: GenerateRequest) -> list[GenerateRequest]:
     return samples
 
 
-def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
+def _generate_message(request: GenerateRequest, stream: bool, model: str | None) -> Generate:
     return Generate(
         request.rid or _new_rid(),
         text=request.text,
@@ -208,6 +218,7 @@ def _generate_message(request: GenerateRequest, stream: bool) -> Generate:
         top_logprobs_num=request.top_logprobs_num,
         lora_path=request.lora_path,
         image_data=list(request.image_data) if request.image_data else None,
+        model=model,
     )
 
 

@@ -62,6 +62,7 @@ class Child:
         self.entry, self.command, self.cap = entry, command, cap
         self.process: asyncio.subprocess.Process | None = None
         self.url = ""
+        self.zmq = ""  # its ZeroMQ door (tcp://127.0.0.1:PORT)
         self.pump: asyncio.Task[None] | None = None
 
     @property
@@ -100,6 +101,7 @@ class Child:
             line = raw.decode(errors="replace")
             found = READY.search(line)
             if found:
+                self.zmq = found.group(2)
                 return found.group(1)
             if line.startswith("radixflow failed to start:"):
                 raise ChildError(line.strip().removeprefix("radixflow failed to start: "))

@@ -1,14 +1,16 @@
 """`radixflow serve` with several models (more than one `--model-path NAME=PATH`, or
-`--models-dir`): plan every model's memory, open the front door, print one ready line
-(`radixflow ready on http://HOST:PORT (HTTP, desk of N models: ...)`, which `Runtime`
-parses: the desk speaks HTTP only, no ZeroMQ door), serve until SIGTERM/SIGINT, then drain
-every loaded model."""
+`--models-dir`): plan every model's memory, open the front doors (HTTP and ZeroMQ), print
+one ready line (`radixflow ready on http://HOST:PORT (HTTP) and tcp://HOST:PORT (ZeroMQ;
+desk of N models: ...)`, which `Runtime` parses as a single server's), serve until
+SIGTERM/SIGINT, then drain every loaded model."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+
+import zmq
 
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.desk.catalog import (
@@ -20,6 +22,7 @@ from radixflow.runtime.desk.catalog import (
 from radixflow.runtime.desk.desk import GIB, Desk
 from radixflow.runtime.desk.plan import plan_models
 from radixflow.runtime.desk.routes import DeskDoor
+from radixflow.runtime.desk.zmq_door import DeskZmqDoor
 from radixflow.runtime.protocol.transport import is_loopback
 
 log = logging.getLogger("radixflow.desk")
@@ -52,7 +55,7 @@ def serve_desk(config: ServerConfig, log_level: str = "info") -> int:
     desk = Desk(config, entries, needs, cap, keep_alive, log_level)
     try:
         asyncio.run(run(desk, config))
-    except OSError as e:  # the port is taken
+    except (OSError, zmq.ZMQError) as e:  # a port is taken
         log.error("%s", e)
         print(f"radixflow failed to start: {e}", flush=True)
         return 1
@@ -66,13 +69,22 @@ async def run(desk: Desk, config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     url = await door.start(config.host, config.port)
+    zmq_door = DeskZmqDoor(desk, config)
+    try:
+        # as the single server: --port 0 picks both ports free
+        address = zmq_door.start(config.host, config.zmq_port if config.port else 0)
+    except zmq.ZMQError:
+        await door.stop()
+        raise
     reaper = asyncio.create_task(desk.reap())
     names = " ".join(desk.slots)
-    print(f"radixflow ready on {url} (HTTP, desk of {len(desk.slots)} models: {names})", flush=True)
+    print(f"radixflow ready on {url} (HTTP) and {address} (ZeroMQ; desk of {len(desk.slots)} "
+          f"models: {names})", flush=True)  # fmt: skip
     try:
         await stop.wait()
         log.info("stopping: draining every loaded model")
     finally:
         reaper.cancel()
-        await desk.stop_all()
+        await desk.stop_all()  # the ZeroMQ door relays the final replies meanwhile
+        zmq_door.stop()
         await door.stop()

@@ -36,7 +36,14 @@ def encode(message: Any, api_key: str = "") -> bytes:
 
 
 def _to_map(obj: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    """The fields by name; one marked `omit_none` is left out when None (its default)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None and f.metadata.get("omit_none"):
+            continue
+        out[f.name] = _plain(value)
+    return out
 
 
 def _plain(value: Any) -> Any:

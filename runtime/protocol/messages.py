@@ -46,6 +46,12 @@ is global). A value the request cannot be served with (ranges, lengths, sampling
     flush_cache, model_info, stats, health: no fields besides rid
     load_lora_adapter    lora_name, lora_path (a PEFT adapter directory on the server's disk)
     unload_lora_adapter  lora_name; refused while a request under that adapter is in flight
+    model         on every request above but abort, status and ping: the model it is for,
+                  optional. A server of one model accepts its own name (its served name or
+                  path), "default" or none, and answers any other with invalid_request; the
+                  desk (`--model-path NAME=PATH` more than once) sends it to that model,
+                  loading it first (none: the first model; abort and status follow their
+                  target's model). Omitted from the frame when None.
     ping          no fields and no reply. A client with requests in flight sends one at least
                   every PING_INTERVAL_S; the server aborts the requests of a client it has not
                   heard from (any frame) for CLIENT_TIMEOUT_S (the client crashed or froze).
@@ -120,6 +126,9 @@ from radixflow.runtime.protocol.sampling import SamplingParams
 PROTOCOL_VERSION = 1
 POOLINGS = ("last", "mean", "cls")  # how an embed request pools its hidden states
 EMBEDDING_ONLY = "this server serves embeddings (--is-embedding)"  # a generation's refusal
+# the model a request is for, on a server of several models (the desk); None: the server's
+# own (or the desk's first). Left out of the frame when None, so servers older than it parse it.
+MODEL: Any = field(default=None, metadata={"omit_none": True})
 PING_INTERVAL_S = 1.0
 CLIENT_TIMEOUT_S = 6.0
 
@@ -168,6 +177,7 @@ class Generate:
     # encoded file's bytes (PNG, JPEG, ...), or a str (a data: URL or base64; a local path
     # where the server allows it)
     image_data: list[bytes | str] | None = None
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,7 @@ class Score:
     prefix: str
     continuations: list[str]
     unconditional: bool = False
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,7 @@ class CachePrefix:
     TAG: ClassVar[str] = "cache_prefix"
     rid: str
     text: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -193,6 +205,7 @@ class Embed:
     text: list[str] | None = None
     input_ids: list[list[int]] | None = None
     pooling: str = ""  # "": the model's default
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -206,24 +219,28 @@ class Abort:
 class FlushCache:
     TAG: ClassVar[str] = "flush_cache"
     rid: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     TAG: ClassVar[str] = "model_info"
     rid: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
 class Stats:
     TAG: ClassVar[str] = "stats"
     rid: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
 class Health:
     TAG: ClassVar[str] = "health"
     rid: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -246,6 +263,7 @@ class LoadLoraAdapter:
     rid: str
     lora_name: str
     lora_path: str
+    model: str | None = MODEL
 
 
 @dataclass(frozen=True)
@@ -253,6 +271,7 @@ class UnloadLoraAdapter:
     TAG: ClassVar[str] = "unload_lora_adapter"
     rid: str
     lora_name: str
+    model: str | None = MODEL
 
 
 # ---- server -> client -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from radixflow.runtime.protocol.messages import (
     CLIENT_REQUESTS,
     CLIENT_TIMEOUT_S,
     ERROR_BAD_MESSAGE,
+    ERROR_INVALID_REQUEST,
     ERROR_UNAUTHORIZED,
     Error,
     Ping,
@@ -82,7 +83,19 @@ class ZmqDoor:
             return
         if not isinstance(msg, Ping):
             server.counters[f"request_{msg.TAG}"] += 1
+        name = getattr(msg, "model", None)
+        if name is not None and name not in self.names():
+            server.counters[f"error_{ERROR_INVALID_REQUEST}"] += 1
+            served = server.model_info.get("model", "default")
+            message = f"unknown model '{name}': this server serves '{served}'"
+            self.send(identity, Error(msg.rid, ERROR_INVALID_REQUEST, message))
+            return
         server.handle(identity, msg)
+
+    def names(self) -> set[str]:
+        """What a request's `model` may name here: the served name, the path, "default"."""
+        info = self.server.model_info
+        return {"", "default", info.get("model", "default"), info.get("model_path", "default")}
 
     def send(self, identity: bytes, reply: Any) -> None:
         assert self.router is not None

@@ -5,7 +5,8 @@ does served alone (SmolLM2: the shared single-model server fed the same requests
 order; the tiny ones: transformers' greedy decoding); unknown names get each door's own 404;
 keep_alive 0 unloads (the child exits); a third model evicts the least recently used idle
 one; streams are unchanged while other models load and unload; a model past the cap is
-refused; RuntimeEndpoint names a model; SIGTERM stops every child."""
+refused; RuntimeEndpoint names a model, over HTTP and over the desk's ZeroMQ door (DSL
+programs, streams, aborts, unknown names); SIGTERM stops every child."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ import pytest
 import torch
 from family_models import save_family, tiny_tokenizer
 
+import radixflow as sgl
 from conftest import emptied, start_server
 from radixflow import RuntimeEndpoint
+from radixflow.backend import RuntimeEndpointError
 
 KEY = "desk-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -84,6 +87,7 @@ def desk(tmp_path_factory: pytest.TempPathFactory):
     with start_server(model_path=models, **options) as server:
         yield SimpleNamespace(
             url=server.url,
+            address=server.address,
             process=server.process,
             tiny=tiny,
             third=third,
@@ -208,6 +212,98 @@ def test_two_models_answer_by_name_as_each_alone(desk: SimpleNamespace, shared_s
     assert answers == expected
     assert sorted(loaded(desk)) == ["chat", "tiny"]
     assert metric(desk, "desk_loads_total", "chat") == 1  # loaded once, kept between requests
+
+
+@sgl.function
+def complete(s: Any, prompt: str) -> None:
+    s += prompt + sgl.gen("out", max_tokens=NEW, temperature=0)
+
+
+def zmq_endpoint(desk: SimpleNamespace, model: str, **kwargs: Any) -> RuntimeEndpoint:
+    return RuntimeEndpoint(desk.address, api_key=KEY, model=model, **{"timeout": 300, **kwargs})
+
+
+def test_zeromq_programs_run_on_the_model_they_name(desk: SimpleNamespace) -> None:
+    """The desk's ready line has a ZeroMQ address; a DSL program over it runs on the model
+    its endpoint names and answers as the HTTP door does (both models already loaded)."""
+    assert desk.address.startswith("tcp://127.0.0.1:")
+    for name, prompt in (("chat", QUESTIONS[0]), ("tiny", TINY_PROMPTS[0])):
+        endpoint = zmq_endpoint(desk, name)
+        try:
+            out = complete.run(prompt=prompt, backend=endpoint)["out"]
+            assert endpoint.model_info()["model"] == name
+        finally:
+            endpoint.close()
+        body = {"model": name, "text": prompt,
+                "sampling_params": {"max_new_tokens": NEW, "temperature": 0}}  # fmt: skip
+        assert out == desk.http.post("/generate", json=body).raise_for_status().json()["text"]
+        if name == "tiny":
+            assert out == greedy(desk.tiny, prompt)
+    assert metric(desk, "desk_loads_total", "chat") == 1  # the loaded models served it
+
+
+def test_zeromq_streams_count_and_abort_through_the_desk(desk: SimpleNamespace) -> None:
+    """A stream over ZeroMQ comes chunk by chunk, counted as a request on its model while it
+    runs; an abort reaches the model's server, and the aborted stream ends there."""
+    endpoint = zmq_endpoint(desk, "tiny")
+    greedy_params = {"max_new_tokens": 24, "temperature": 0}
+    try:
+        chunks, active = [], []
+        for chunk in endpoint.generate_stream("Once upon a time", greedy_params):
+            active.append(loaded(desk)["tiny"]["active_requests"])
+            chunks.append(chunk)
+        assert len(chunks) > 2 and chunks[-1]["finished"]
+        assert chunks[-1]["text"] == greedy(desk.tiny, "Once upon a time", 24)
+        assert active[0] == 1 and loaded(desk)["tiny"]["active_requests"] == 0
+        params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        stream = endpoint.generate_stream("Once", params, rid="desk-zmq-abort")
+        next(stream)
+        assert endpoint.abort("desk-zmq-abort"), "the abort did not reach the model's server"
+        last = list(stream)[-1]
+        assert last["finished"] and last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert loaded(desk)["tiny"]["active_requests"] == 0
+    finally:
+        endpoint.close()
+
+
+def test_zeromq_refuses_unknown_models_and_wrong_keys(desk: SimpleNamespace) -> None:
+    """An unknown name gets the protocol's error reply at once, not a hang; a wrong key is
+    refused at the desk; neither loads anything."""
+    before = sorted(loaded(desk))
+    endpoint = zmq_endpoint(desk, "nope", timeout=10)
+    try:
+        with pytest.raises(RuntimeEndpointError) as error:
+            endpoint.generate("Hello", {"max_new_tokens": 2})
+        assert error.value.code == "invalid_request" and "'nope'" in str(error.value)
+    finally:
+        endpoint.close()
+    wrong = RuntimeEndpoint(desk.address, api_key="wrong", model="tiny", timeout=10)
+    try:
+        with pytest.raises(RuntimeEndpointError) as refused:
+            wrong.model_info()
+        assert refused.value.code == "unauthorized"
+    finally:
+        wrong.close()
+    assert sorted(loaded(desk)) == before
+
+
+def test_a_single_server_takes_only_its_own_model_name(shared_server) -> None:
+    """Over ZeroMQ a single server answers a request naming its own model, and one naming
+    another with the protocol's error reply."""
+    own = shared_server.endpoint.model_info()["model"]
+    for name in (own, "default", None):
+        endpoint = RuntimeEndpoint(shared_server.address, model=name, timeout=60)
+        try:
+            assert endpoint.model_info()["model"] == own
+        finally:
+            endpoint.close()
+    endpoint = RuntimeEndpoint(shared_server.address, model="nope", timeout=10)
+    try:
+        with pytest.raises(RuntimeEndpointError) as error:
+            endpoint.generate("Hello", {"max_new_tokens": 2})
+        assert error.value.code == "invalid_request" and "'nope'" in str(error.value)
+    finally:
+        endpoint.close()
 
 
 def test_a_third_model_evicts_the_least_recently_used(desk: SimpleNamespace) -> None:
