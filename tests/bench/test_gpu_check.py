@@ -8,9 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import die_with_parent
 
 
+# slow: 13-27 s, and its Triton kernels are held to their references by tests/kernels; run it
+# (`-m slow`) before a session with a lent GPU, whose minutes the real check spends
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
     # as a user runs it: the dry run itself must choose the Triton interpreter (not inherit

@@ -45,7 +45,7 @@ MAX_MESSAGE_BYTES = 1 << 16
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
 GOOD_PROMPTS = ["The capital of France is", "List three colors:", "1, 2, 3,", "Hello, my name"]
-FUZZ_CASES = int(os.environ.get("FUZZ_CASES", "2200"))
+FUZZ_CASES = int(os.environ.get("FUZZ_CASES", "1000"))  # FUZZ_CASES=5000 for a deeper run
 RESTART_S = 180  # a scheduler restart reloads the model; the 2 cores may be shared
 
 
@@ -575,7 +575,7 @@ def test_fuzzed_frames_get_errors_and_a_correct_client_keeps_working(
             f"\nfuzz: {fuzzer.cases} cases in {elapsed:.1f}s; kinds {dict(fuzzer.kinds)}; "
             f"outcomes {dict(fuzzer.outcomes)}; good client {len(log)} answers"
         )
-    assert fuzzer.cases >= min(2000, FUZZ_CASES)
+    assert fuzzer.cases >= min(900, FUZZ_CASES)
     assert not client.is_alive()
     assert len(log) >= 3 and all(entry is True for entry in log), [e for e in log if e is not True]
     assert runtime.process.poll() is None, "the server died"

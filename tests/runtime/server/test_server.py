@@ -433,6 +433,8 @@ def test_killed_scheduler_fails_requests_fast_then_restarts(endpoint) -> None:
     wait_idle(endpoint)
 
 
+# slow: 14 s; the drain on SIGTERM is in the default suite in tests/runtime/server/test_drain.py
+@pytest.mark.slow
 def test_sigterm_answers_every_client_and_leaves_nothing_behind() -> None:
     # no drain time: what is in flight at SIGTERM is failed at once (test_drain has the drain)
     rt = Server(max_total_tokens=4096, num_threads=1, log_level="warning", shutdown_timeout=0)
