@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +26,12 @@ from radixflow.runtime.desk.listing import metrics_text, ollama_entry, openai_ca
 from radixflow.runtime.protocol.messages import ERROR_SHUTDOWN
 from radixflow.runtime.server.anthropic_api import anthropic_error
 from radixflow.runtime.server.cors import Cors
-from radixflow.runtime.server.http_request import HttpError, error_response, json_response
+from radixflow.runtime.server.http_request import (
+    HttpError,
+    error_response,
+    json_response,
+    listen,
+)
 from radixflow.runtime.server.infill_api import infill_error
 from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OLLAMA_VERSION, ollama_error, rfc3339
@@ -40,7 +44,6 @@ DROPPED_IN = {"host", "content-length", "connection", "transfer-encoding", "acce
               "origin", "keep-alive", "upgrade"}  # fmt: skip
 DROPPED_OUT = {"content-length", "connection", "transfer-encoding", "content-encoding", "date",
                "server", "keep-alive", "vary"}  # fmt: skip
-SHUTDOWN_GRACE_S = 5.0
 
 
 def not_found(path: str, name: str) -> HttpError:
@@ -76,17 +79,8 @@ class DeskDoor:
     async def start(self, host: str, port: int) -> str:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
-        )
-        await self.runner.setup()
-        await web.SockSite(self.runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
-        literal = f"[{host}]" if ":" in host else host
-        return f"http://{literal}:{sock.getsockname()[1]}"
+        self.runner, url = await listen(self.app, host, port)
+        return url
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -28,7 +28,6 @@ import dataclasses
 import hmac
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -49,6 +48,7 @@ from radixflow.runtime.server.http_request import (
     error_body,
     error_response,
     json_response,
+    listen,
     new_rid,
     parse_generate,
     prepend,
@@ -63,7 +63,6 @@ from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
 from radixflow.runtime.server.responses_api import ResponsesRoutes
 
-SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # sglang-router registers a worker by probing /health before it sends any key, and load
 # balancers probe it keyless; /health_generate runs the model, so it wants the key.
@@ -151,17 +150,8 @@ class HttpDoor:
 
     async def start(self, host: str, port: int) -> str:
         logging.getLogger("aiohttp.server").addFilter(is_http2_probe)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
-        )
-        await self.runner.setup()
-        await web.SockSite(self.runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
-        literal = f"[{host}]" if ":" in host else host
-        return f"http://{literal}:{sock.getsockname()[1]}"
+        self.runner, url = await listen(self.app, host, port)
+        return url
 
     async def stop(self) -> None:
         if self.runner is not None:

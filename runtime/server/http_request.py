@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -372,3 +373,22 @@ def check_generation(config: Any, request: web.Request) -> None:
     route = resource.canonical if resource is not None else ""
     if config.is_embedding and route in GENERATION_ROUTES:
         raise HttpError(400, m.EMBEDDING_ONLY)
+
+
+SHUTDOWN_GRACE_S = 5.0  # handlers get this long to write their final answers at shutdown
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """`app` served on host:port (0: a free port; IPv6 literals too); -> its runner (cleanup
+    stops it) and its http:// URL."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
+    await runner.setup()
+    await web.SockSite(runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
+    literal = f"[{host}]" if ":" in host else host
+    return runner, f"http://{literal}:{sock.getsockname()[1]}"
