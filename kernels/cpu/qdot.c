@@ -515,7 +515,10 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
     int64_t chunk = N / (8 * nt) > 4 ? N / (8 * nt) : 4;
     int64_t chunks = (N + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+    const unsigned csr = denormals_off();
+#pragma omp for schedule(dynamic, 1)
     for (int64_t ci = 0; ci < chunks; ci++) {
         float s[IDOT_ROWS];
         const int64_t end = (ci + 1) * chunk < N ? (ci + 1) * chunk : N;
@@ -536,6 +539,8 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
                     out[(m0 + m) * ldo + r] = bias ? s[m] + bias[r] : s[m];
             }
         }
+    }
+    _mm_setcsr(csr);
     }
     free(a.q);
     return 0;

@@ -187,6 +187,7 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
         float *wa = wq ? (float *)(wq + 16 * K) : NULL, *wm = wa ? wa + 16 * nc : NULL;
         int32_t c[512] __attribute__((aligned(64)));
         float res[256] __attribute__((aligned(64)));
+        const unsigned csr = denormals_off();
         if (!wq) failed = 1;
         else amxi_configure(kc);
 #pragma omp for schedule(dynamic, chunk)
@@ -259,6 +260,7 @@ static int qlinear_amx_int(const float *x, int64_t M, int64_t ldx, int64_t K, co
             }
         }
         if (wq) _tile_release();
+        _mm_setcsr(csr);
         free(wq);
     }
     free(xb);

@@ -188,6 +188,7 @@ static int qlinear_amx(const float *x, int64_t M, int64_t ldx, int64_t K, const 
         uint32_t *tmp = rows ? (uint32_t *)(rows + 16 * K) : NULL;
         uint32_t *bh = tmp ? tmp + 512 : NULL, *bl = bh ? bh + AMX_NC * K / 2 : NULL;
         float c[4][256] __attribute__((aligned(64)));
+        const unsigned csr = exact ? _mm_getcsr() : denormals_off(); /* quant.c */
         if (!rows) failed = 1;
         else amx_configure();
 #pragma omp for schedule(dynamic, 1)
@@ -216,6 +217,7 @@ static int qlinear_amx(const float *x, int64_t M, int64_t ldx, int64_t K, const 
                 }
         }
         if (rows) _tile_release();
+        _mm_setcsr(csr);
         free(rows);
     }
     free(xh);
