@@ -17,7 +17,8 @@ file; decode speed at 1 and N streams, resident memory and load time.
 - prefill: one prompt of `--length` token ids (drawn at random, new ones each round, so no
   prefix cache helps) and one generated token; tokens/s of prompt, median of the rounds.
 - load: a fresh process per system and round loads the file and generates one token; the
-  seconds from its start, median (page cache warm for both: the file was read before).
+  seconds from spawning it to its first token (its shutdown and exit not timed), median
+  (page cache warm for both: the file was read before).
 - memory: each variant loads in a fresh process, which reports its resident set (VmRSS)
   with the KV pool allocated, and its load time.
 - write-big: Llama-shaped GGUFs (hidden 4096, 32 layers, 32 heads, 11008 FFN, SmolLM2's
@@ -216,8 +217,34 @@ import llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]),
                       verbose=False)
 llm("Hello", max_tokens=1, temperature=0)
-print(time.perf_counter() - start)
+print("first token", flush=True)
 """
+
+LOAD_CHILD = """
+import sys
+from radixflow.runtime import Engine
+engine = Engine(model_path=sys.argv[1], max_total_tokens=int(sys.argv[2]))
+engine.generate("Hello", sampling_params={"max_new_tokens": 1, "temperature": 0})
+print("first token", flush=True)
+engine.shutdown()
+"""
+
+
+def _first_token_s(command: list[str]) -> float:
+    """Seconds from spawning `command` to its line saying it has its first token (what
+    happens after, shutdown and exit, is not timed)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("first token"):
+            elapsed = time.perf_counter() - start
+            break
+    else:
+        raise RuntimeError(f"{command[0]} exited with {child.wait()} before its first token")
+    child.stdout.close()
+    child.wait()
+    return elapsed
 
 
 def load(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -226,9 +253,7 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     gguf = str(builtin_gguf(args.model) if args.model in BUILTIN_MODELS else args.model)
     threads = args.threads or os.cpu_count() or 1
-    commands = {
-        "radixflow": [sys.executable, "-c", MEMORY_CHILD, args.model, str(args.pool), "{}"],
-    }
+    commands = {"radixflow": [sys.executable, "-c", LOAD_CHILD, args.model, str(args.pool)]}
     if os.environ.get("BENCH_LLAMA_CPP_PYTHON"):
         commands["llama.cpp"] = [
             os.environ["BENCH_LLAMA_CPP_PYTHON"], "-c", LLAMA_LOAD_CHILD, gguf, str(args.pool),
@@ -238,9 +263,7 @@ def load(args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(args.repeats):
         for name, command in commands.items():
             wait_until_quiet(settle_s=0.5)
-            start = time.perf_counter()
-            subprocess.run(command, capture_output=True, text=True, check=True)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(_first_token_s(command))
     rows = []
     for name, t in times.items():
         row = {"system": name, "load_to_first_token_s": round(statistics.median(t), 2),

@@ -20,7 +20,7 @@ from typing import Any
 
 import gguf
 
-from radixflow.runtime.models.gguf_file import Layout
+from radixflow.runtime.models.gguf_file import read_layout
 from radixflow.runtime.models.loader import gguf_source, weight_files
 
 DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -30,7 +30,7 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on its JSON header
 def model_card(model_dir: Path, hf_config: dict[str, Any]) -> dict[str, Any]:
     source = gguf_source(model_dir)
     if source is not None:
-        layout = Layout(source)
+        layout = read_layout(source)
         files = [source]
         count = sum(math.prod(t.dims) for t in layout.tensors)
         quantization = gguf_file_type(layout.fields.get("general.file_type"))

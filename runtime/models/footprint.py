@@ -28,7 +28,7 @@ def gguf_bytes(path: Path, dequantize: bool, dtype_bytes: int) -> int:
     """Bytes the tensors of GGUF `path` take once loaded: kept block types at their own size
     (unless `dequantize`), every other tensor at `dtype_bytes` an element."""
     total = 0
-    for tensor in gguf_file.Layout(path).tensors:
+    for tensor in gguf_file.read_layout(path).tensors:
         numel = int(np.prod(tensor.dims, dtype=np.int64))
         if tensor.qtype in gguf_file.KEPT and len(tensor.dims) == 2 and not dequantize:
             block, size = gguf.GGML_QUANT_SIZES[gguf_file.T(tensor.qtype)]

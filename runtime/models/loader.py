@@ -36,7 +36,7 @@ from radixflow.runtime.models import (
     UnsupportedModelError,
     architecture_of,
 )
-from radixflow.runtime.models.gguf_file import Layout
+from radixflow.runtime.models.gguf_file import read_layout
 from radixflow.runtime.models.progress import Progress
 
 log = logging.getLogger("radixflow.loader")
@@ -178,7 +178,7 @@ def model_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
     nothing. Values that are not numbers are left out."""
     gguf = gguf_source(model_dir)
     if gguf is not None:
-        fields = Layout(gguf).fields
+        fields = read_layout(gguf).fields
         found = {name: fields.get(key) for name, key in SAMPLING_KEYS.items()}
     else:
         path = model_dir / "generation_config.json"
@@ -203,7 +203,7 @@ def model_fim_token_ids(model_dir: Path) -> dict[str, int]:
     llama.cpp's keys), by role; {} for a Hugging Face checkpoint or a GGUF naming none (the
     server then looks the tokens up by their strings)."""
     gguf = gguf_source(model_dir)
-    fields = Layout(gguf).fields if gguf is not None else {}
+    fields = read_layout(gguf).fields if gguf is not None else {}
     found = {role: fields.get(f"tokenizer.ggml.fim_{role}_token_id") for role in FIM_ROLES}
     return {role: int(v) for role, v in found.items() if isinstance(v, int)}
 

@@ -84,7 +84,10 @@ def _join(parts: Sequence[Part]) -> list[Part]:
         else:
             rows = sum(p.shape[0] for p in group)
             data = huge_empty((rows, group[0].data.shape[1]))
-            torch.cat([p.data for p in group], out=data)
+            at = 0
+            for p in group:  # copy_ spreads over torch's threads (cat(out=) ran on one)
+                data[at : at + p.shape[0]].copy_(p.data)
+                at += p.shape[0]
             out.append(quant.QuantWeight(group[0].qtype, data, (rows, group[0].shape[1])))
     return out
 

@@ -19,7 +19,9 @@ def rope_inv_freq(
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, float]:
     """-> (inv_freq (dim/2,), long_inv_freq or None, original_max_position, cos/sin scale),
     as transformers computes them (fp32), for the rope types in ROPE_TYPES."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    # on the CPU even under a meta-device build (a quantized load builds the model there):
+    # the tables are real numbers, and a meta `div` imports torch._dynamo (0.9 s)
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (theta**exponent)
     scaling = scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -41,7 +43,8 @@ def rope_inv_freq(
         if attention is None:
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short, long = (
-            torch.tensor(scaling[k], dtype=torch.float32) for k in ("short_factor", "long_factor")
+            torch.tensor(scaling[k], dtype=torch.float32, device="cpu")
+            for k in ("short_factor", "long_factor")
         )
         return 1.0 / (short * theta**exponent), 1.0 / (long * theta**exponent), original, attention
     elif kind != "default":

@@ -71,3 +71,27 @@ def test_bit_flips_read_or_refused(pristine, tmp_path) -> None:
             damaged[at] ^= 1 << rng.randrange(8)
         outcomes[_read(tmp_path / "flip.gguf", bytes(damaged), config)] += 1
     assert outcomes["refused"] > 0 and outcomes["read"] > 0, outcomes
+
+
+def test_layout_is_parsed_once_until_the_header_changes(pristine, tmp_path, monkeypatch) -> None:
+    """read_layout gives the parsed layout again while the file's header bytes and size are
+    as they were, and parses a file rewritten with the same size (a flipped header byte)."""
+    _, data, _ = pristine
+    target = tmp_path / "same.gguf"
+    target.write_bytes(data)
+    parses = []
+    real = gguf_file.Layout.__init__
+
+    def counting(self, path):
+        parses.append(path)
+        real(self, path)
+
+    monkeypatch.setattr(gguf_file.Layout, "__init__", counting)
+    first = gguf_file.read_layout(target)
+    assert gguf_file.read_layout(target) is first and len(parses) == 1
+    name = first.tensors[0].name.encode()
+    at = data.index(name)
+    damaged = data[:at] + bytes([data[at] ^ 0x20]) + data[at + 1 :]  # 'b' -> 'B': same size
+    target.write_bytes(damaged)
+    again = gguf_file.read_layout(target)
+    assert len(parses) == 2 and again.tensors[0].name != first.tensors[0].name
