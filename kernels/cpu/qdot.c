@@ -416,6 +416,20 @@ static inline __attribute__((always_inline)) void IF(row_q6k)(
  * vector (their 64 bytes of nibbles), low nibbles = sub-blocks 0 and 2, high = 1 and 3, x's
  * matching 32-byte halves put side by side; madd by the scales and the sum in one vpdpwssd.
  * The same integers and sums as row_qk: a 7B Q4_K projection at one row ran 1.3x faster. */
+/* x's quantized rows as row_qk_zmm reads them: in each 128 values, the 32-byte pieces 1
+ * and 2 swapped ([0, 2, 1, 3]), so that the low nibbles' x (pieces 0 and 2) and the high
+ * nibbles' (1 and 3) are each one 64-byte load; done once a call instead of two inserts per
+ * 128 weights and row of x */
+static void IF(qk_zmm_order)(acts_t *a, int64_t M) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < a->K; c += 128) {
+            int8_t *q = a->q + m * a->K + c;
+            const __m256i one = _mm256_loadu_si256((const __m256i *)(q + 32));
+            _mm256_storeu_si256((__m256i *)(q + 32), _mm256_loadu_si256((const __m256i *)(q + 64)));
+            _mm256_storeu_si256((__m256i *)(q + 64), one);
+        }
+}
+
 static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
     const int mr, const uint8_t *p, int qtype, const acts_t *a, float s[IDOT_ROWS]) {
     __m512 acc[IDOT_ROWS];
@@ -459,14 +473,10 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
             const __m512i ilo = _mm512_add_epi16(pick_lo0, _mm512_set1_epi16((short)(4 * h)));
             const __m512i slo = _mm512_permutexvar_epi16(ilo, sc16);
             const __m512i shi = _mm512_permutexvar_epi16(_mm512_add_epi16(ilo, step1), sc16);
-            for (int m = 0; m < mr; m++) {
+            for (int m = 0; m < mr; m++) { /* x in zmm order (qk_zmm_order) */
                 const int8_t *qx = a->q + m * K + 256 * b + 128 * h;
-                const __m512i xlo = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)qx)),
-                    _mm256_loadu_si256((const __m256i *)(qx + 64)), 1);
-                const __m512i xhi = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(qx + 32))),
-                    _mm256_loadu_si256((const __m256i *)(qx + 96)), 1);
+                const __m512i xlo = _mm512_loadu_si512((const void *)qx);
+                const __m512i xhi = _mm512_loadu_si512((const void *)(qx + 64));
                 isum[m] = _mm512_dpwssd_epi32(isum[m], _mm512_maddubs_epi16(lo, xlo), slo);
                 isum[m] = _mm512_dpwssd_epi32(isum[m], _mm512_maddubs_epi16(hi, xhi), shi);
             }
@@ -509,6 +519,9 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
                            const float *bias, float *out, int64_t ldo, int threads) {
     acts_t a;
     if (IF(acts)(x, M, ldx, K, idot_block(qtype), &a)) return -2;
+#ifdef IDOT_ZMM
+    if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
+#endif
     /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same
      * measure of work; dynamic chunks of rows, so a preempted thread's share goes elsewhere */
     int64_t work = N * K * (M + 4) / 4 / (fused_split_set ? fused_split_set : FUSED_SPLIT) + 1;
