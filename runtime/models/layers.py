@@ -339,10 +339,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops
-        # no random init (every load replaces it): on the meta device, Embedding's normal_
-        # imported torch._dynamo, 0.6-0.9 s of a quantized model's start
+        # on the meta device (a quantized load's build) no random init: Embedding's normal_
+        # there imported torch._dynamo, 0.6-0.9 s of the start; a real build draws it
         empty = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=empty if empty.is_meta else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None
