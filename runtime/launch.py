@@ -36,6 +36,7 @@ from radixflow.runtime.model_executor.kv_sizing import (
     MemoryPlan,
     kv_pool_dtype,
     plan_memory,
+    rank0_pool_dtype,
     size_kv_pool,
 )
 from radixflow.runtime.model_executor.model_runner import (
@@ -144,7 +145,8 @@ def build_scheduler(config: ServerConfig, loaded: LoadedModel | None = None) -> 
     context_len = config.context_length or model.config.max_position
     sizing = size_kv_pool(config, model, device, loaded.memory)
     num_tokens = sizing.num_tokens
-    if loaded.tp is not None:  # every rank's pool has the same slots
+    if loaded.tp is not None:  # every rank's pool has rank 0's dtype and the same slots
+        rank0_pool_dtype(loaded.tp.agree_min, sizing)
         num_tokens = loaded.tp.agree_min(num_tokens)
     pool = KVPool(num_tokens, config.page_size)
     runner = ModelRunner(

@@ -16,6 +16,7 @@ SIGTERM/SIGINT arrive (it ends its ranks and exits 0), or the ranks keep failing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -38,7 +39,11 @@ from radixflow.runtime.distributed.tensor_parallel import (
     spawn_worker,
 )
 from radixflow.runtime.distributed.tier_ranks import follow
-from radixflow.runtime.model_executor.kv_sizing import kv_pool_dtype, size_kv_pool
+from radixflow.runtime.model_executor.kv_sizing import (
+    kv_pool_dtype,
+    rank0_pool_dtype,
+    size_kv_pool,
+)
 from radixflow.runtime.model_executor.model_runner import ModelRunner
 from radixflow.runtime.models.loader import resolve_model_dir
 
@@ -73,7 +78,8 @@ def run_worker(config: ServerConfig, rank: int, init_addr: str, model_dir: Path,
     follower = None
     try:
         model = load_shard(model_dir, config, device, tp)
-        sizing = size_kv_pool(config, model, device)
+        dtype = rank0_pool_dtype(tp.agree_min, None)  # rank 0's: it saw the checkpoint
+        sizing = size_kv_pool(dataclasses.replace(config, kv_cache_dtype=dtype), model, device)
         num_tokens = tp.agree_min(sizing.num_tokens)
         num_slots = KVPool(num_tokens, config.page_size).num_slots
         runner = ModelRunner(  # as rank 0 builds it (CUDA graphs stay off under tp)

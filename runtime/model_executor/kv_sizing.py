@@ -119,6 +119,19 @@ def kv_pool_dtype(sizing: KVSizing) -> torch.dtype:
     return getattr(torch, sizing.dtype)
 
 
+POOL_DTYPES = ("float32", "bfloat16", "float16", "int8")  # KVSizing.dtype names, by code
+
+
+def rank0_pool_dtype(agree_min: Any, sizing: KVSizing | None) -> str:
+    """Tensor parallelism: the pool dtype every rank takes, rank 0's (`sizing`: rank 0's pool;
+    None on the other ranks). Under auto rank 0's plan saw the checkpoint (quantized: a
+    half-precision pool) while a rank > 0 holds only its dequantized shard, so each would pick
+    its own. `agree_min`: the group's all-reduce-min (TensorParallel.agree_min); every rank
+    calls this at the same point of its start."""
+    code = agree_min(len(POOL_DTYPES) if sizing is None else POOL_DTYPES.index(sizing.dtype))
+    return POOL_DTYPES[code]
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 

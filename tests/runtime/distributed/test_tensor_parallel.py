@@ -404,3 +404,32 @@ def test_smollm2_tp2_matches_tp1(make_engine) -> None:
         assert outs[0] == outs[1]
     finally:
         engines[1].shutdown()
+
+
+def test_every_rank_takes_rank0s_pool_dtype() -> None:
+    """Under auto, rank 0 plans from the quantized checkpoint (a float16 pool) and a rank > 0
+    from its dequantized shard (float32): both take rank 0's, through the group's min."""
+    import threading
+
+    from radixflow.runtime.model_executor.kv_sizing import KVSizing, rank0_pool_dtype
+
+    values: list[int] = []
+    both = threading.Barrier(2)
+
+    def agree_min(value: int) -> int:  # an all-reduce-min over the two threads
+        values.append(value)
+        both.wait()
+        return min(values)
+
+    chosen: dict[int, str] = {}
+
+    def rank(r: int, dtype: str) -> None:  # rank 1 would have chosen its own dtype
+        sizing = KVSizing(1024, 64, "test", 4096, dtype)
+        chosen[r] = rank0_pool_dtype(agree_min, sizing if r == 0 else None)
+
+    threads = [threading.Thread(target=rank, args=a) for a in ((0, "float16"), (1, "float32"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert chosen == {0: "float16", 1: "float16"}
