@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(
     "radixflow/" + str(path.relative_to(ROOT))
     for pattern in ("*.c", "*.cpp", "*.h")
-    for path in (ROOT / "kernels").rglob(pattern)
+    for folder in ("kernels", "bench")  # bench: the bandwidth probe
+    for path in (ROOT / folder).rglob(pattern)
 )
 BUILD = """
 import os, sys
