@@ -176,10 +176,9 @@ class Scheduler:
                 self.new_token_ratio = self.init_ratio
             return updated
         try:
-            split = sum(not as_decode_rows(r) for r in jumps)
             plan, sample_reqs = build_plan(
-                extends + jumps[:split], decodes, self.vocab_size, self.eos_token_ids, verifies,
-                jumps[split:],
+                extends + [r for r in jumps if not as_decode_rows(r)], decodes, self.vocab_size,
+                self.eos_token_ids, verifies, [r for r in jumps if as_decode_rows(r)],
             )  # fmt: skip
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
