@@ -177,7 +177,17 @@ class ServerConfig:
         "constrained decoding: sample every token, even where the grammar forces the text "
         "(by default forced text, such as a schema's keys, is appended in one extend step)",
     )
-    grammar_whitespace: str = _knob("", "whitespace regex for JSON schemas; '' = outlines' default")
+    grammar_any_whitespace: bool = _knob(
+        False,
+        "JSON schemas: whitespace ('[ ]?', or --grammar-whitespace) may appear around every "
+        '{ } [ ] , : (off: the canonical layout {"k": v, "l": [1, 2]}, whose separators '
+        "jump-forward appends whole)",
+    )
+    grammar_whitespace: str = _knob(
+        "",
+        "whitespace regex for JSON schemas' flexible layout (implies --grammar-any-whitespace); "
+        "'' = '[ ]?' with --grammar-any-whitespace, else the canonical layout",
+    )
     grammar_workers: int = _knob(2, "grammar compiler processes (a slow grammar holds only one)")
     grammar_timeout_s: float = _knob(60.0, "a grammar compiling longer than this fails")
     max_message_bytes: int = _knob(64 << 20, "largest client frame accepted")

@@ -246,7 +246,9 @@ def _grammar_backend(
     config: ServerConfig, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: tuple[int, ...]
 ) -> Any:
     """The configured backend, taking structural tags (triggered constraints) too."""
-    whitespace = config.grammar_whitespace or None
+    # None: JSON schemas in the canonical layout (schema_regex.canonical_layout)
+    flexible = "[ ]?" if config.grammar_any_whitespace else None
+    whitespace = config.grammar_whitespace or flexible
     if config.grammar_backend == "llguidance":
         backend: Any = LlgBackend(tokenizer, vocab_size, eos, whitespace)
         backend.prepare()  # the vocabulary view, while the model warms up

@@ -36,7 +36,7 @@ import msgpack
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-from radixflow.runtime.constrained.schema_regex import bounded_schema_regex
+from radixflow.runtime.constrained.schema_regex import bounded_schema_regex, canonical_layout
 
 GrammarKey = tuple[str, str]
 log = logging.getLogger(__name__)
@@ -85,7 +85,9 @@ def bytes_vocabulary() -> Vocabulary:
 
 
 def json_schema_regex(schema: str, whitespace_pattern: str | None = None) -> str:
-    """The regex of the JSON documents valid under `schema` (JSON text); GrammarError if bad."""
+    """The regex of the JSON documents valid under `schema` (JSON text); GrammarError if bad.
+    `whitespace_pattern` may appear around every `{ } [ ] , :`; None: the canonical layout
+    (`schema_regex.canonical_layout`: `{"a": 1, "b": [2, 3]}`)."""
     try:
         parsed = json.loads(schema)
     except json.JSONDecodeError as e:
@@ -93,7 +95,7 @@ def json_schema_regex(schema: str, whitespace_pattern: str | None = None) -> str
     try:
         if isinstance(parsed, dict):  # numeric bounds too (schema_regex)
             return bounded_schema_regex(parsed, build_regex_from_schema, whitespace_pattern)
-        return build_regex_from_schema(schema, whitespace_pattern)
+        return canonical_layout(build_regex_from_schema, schema, whitespace_pattern)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"invalid or unsupported JSON schema: {e}") from e
 

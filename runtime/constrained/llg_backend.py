@@ -33,6 +33,9 @@ from radixflow.runtime.constrained.jump_forward import NO_JUMP, Jump, natural_ju
 from radixflow.runtime.constrained.schema_regex import closed, safe_integers
 
 log = logging.getLogger(__name__)
+# The canonical JSON layout (no whitespace pattern given): `json.dumps`'s separators and no
+# other whitespace, the layout outlines-core's regexes get (schema_regex.canonical_layout).
+CANONICAL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
@@ -49,7 +52,7 @@ def grammar_spec(key: GrammarKey, whitespace: str | None) -> str:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({e})") from e
-        defaults = {"whitespace_pattern": whitespace or "[ ]?"}
+        defaults = CANONICAL_JSON if whitespace is None else {"whitespace_pattern": whitespace}
         return matcher.grammar_from_json_schema(safe_integers(closed(schema)), defaults=defaults)
     if kind == "ebnf":
         try:

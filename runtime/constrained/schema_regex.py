@@ -21,15 +21,28 @@ from typing import Any
 
 FRACTION_DIGITS = 6
 PLACEHOLDER = "__radixflow_number_{}__"
+# The canonical layout (whitespace pattern None): Python's `json.dumps` separators, no other
+# whitespace. outlines-core writes one whitespace pattern around every `{ } [ ] , :`; it is
+# given this mark instead, and each marked place becomes its canonical text.
+LAYOUT_MARK = "\x01ws\x01"
+CANONICAL = (
+    (f"{LAYOUT_MARK}:{LAYOUT_MARK}", ": "),
+    # an object's comma: its mark after may sit past an optional property's `)?` or before
+    # the next one's `(`; the space goes right after the comma
+    (f"{LAYOUT_MARK},", ", "),
+    (f",{LAYOUT_MARK}", ", "),  # an array's comma: outlines-core writes `,ws`
+    (LAYOUT_MARK, ""),  # inside brackets, and an object comma's mark after it
+)
 
 
 def bounded_schema_regex(
     schema: dict[str, Any], build: Callable[[str, str | None], str], whitespace: str | None
 ) -> str:
-    """`build(schema_json, whitespace)` (outlines-core's builder) with bounded numbers exact."""
+    """`build(schema_json, whitespace)` (outlines-core's builder) with bounded numbers exact;
+    whitespace None: the canonical layout (`canonical_layout`)."""
     ranges: list[str] = []
     patched = _patch(copy.deepcopy(schema), ranges)
-    regex = build(json.dumps(patched), whitespace)
+    regex = canonical_layout(build, json.dumps(patched), whitespace)
     for i, number in enumerate(ranges):
         quoted = re.escape(json.dumps(PLACEHOLDER.format(i)))
         # outlines-core writes a string const as its JSON text with regex escapes
@@ -40,6 +53,21 @@ def bounded_schema_regex(
                 break
         else:
             raise ValueError("a bounded number of the schema has no place in its regex")
+    return regex
+
+
+def canonical_layout(
+    build: Callable[[str, str | None], str], schema: str, whitespace: str | None
+) -> str:
+    """`build(schema, whitespace)`; whitespace None: the regex of the documents laid out as
+    `json.dumps` writes them (`{"a": [1, 2], "b": {}}`), which llguidance's JSON grammar with
+    `whitespace_flexible` off and the same separators accepts too (llg_backend.grammar_spec):
+    every separator is forced text, so jump-forward appends `", "age": ` whole."""
+    if whitespace is not None:
+        return build(schema, whitespace)
+    regex = build(schema, LAYOUT_MARK)
+    for marked, text in CANONICAL:
+        regex = regex.replace(marked, text)
     return regex
 
 

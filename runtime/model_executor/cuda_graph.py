@@ -209,7 +209,8 @@ class DecodeGraphs:
     # ---- replay ------------------------------------------------------------------------
 
     def replay(self, plan: BatchPlan) -> torch.Tensor | None:
-        """Logits (B, vocab) of a decode-only `plan` from its graph, or None (run eagerly)."""
+        """Logits (R, vocab) of a decode-only `plan`'s logit rows from its graph, or None (run
+        eagerly)."""
         num_reqs = plan.num_tokens
         if plan.num_extend_tokens or not 1 <= num_reqs <= self.max_bs:
             return None
@@ -218,7 +219,10 @@ class DecodeGraphs:
             self.num_eager += 1
             return None
         self.num_replays += 1
-        return self.graphs[size]()[:num_reqs]
+        logits = self.graphs[size]()[:num_reqs]
+        if len(plan.logit_rows) != num_reqs:  # a jump's rows: only its last is a logit row
+            logits = logits[torch.from_numpy(plan.logit_rows).to(logits.device)]
+        return logits
 
     def _fill(self, plan: BatchPlan | None, size: int) -> bool:
         """Write `plan` (None: all padding) into the static buffers of the `size` graph;

@@ -21,14 +21,18 @@ def build_plan(
     vocab_size: int,
     eos_token_ids: tuple[int, ...],
     verifies: list[Req] | None = None,
+    jump_rows: list[Req] | None = None,
 ) -> tuple[BatchPlan, list[Req]]:
     """The step's flat ragged batch: extend rows (each request's new tokens, after its
     cached prefix: prompts, chunks, a running request's last token and the tokens a grammar
     forced after it, whose logprobs are logit rows too; an embedding request's pooled rows
     listed in hidden_rows), then the verify rows of speculating requests (their last token and
-    drafts, a logit row each), then one row per decode. Returns the plan and the requests that
-    sample once, in sample-row order; the verify rows sample after them, request by request,
-    1 + len(draft_ids) rows each. Consumes each extend's pending copy-on-write."""
+    drafts, a logit row each), then one row per decode, then `jump_rows`' pending tokens (a
+    running request's last token and the tokens a grammar forced after it: `as_decode_rows`)
+    as decode rows, each attending to its request's keys up to itself, only the last a logit
+    row. Returns the plan and the requests that sample once, in sample-row order; the verify
+    rows sample after them, request by request, 1 + len(draft_ids) rows each. Consumes each
+    extend's pending copy-on-write."""
     input_ids, positions, out_slots = [], [], []
     qo, kv, kv_indices = [0], [0], []
     logit_rows, targets, sample_rows, sample_reqs = [], [], [], []
@@ -90,6 +94,20 @@ def build_plan(
         targets.append(-1)
         sample_reqs.append(req)
         row += 1
+    for req in jump_rows or []:
+        start, end = req.kv_len, req.seq_len
+        input_ids.append(req.fill_ids[start:end])
+        positions.append(np.arange(start, end, dtype=I64))
+        lora_ids.append([req.lora] * (end - start))
+        out_slots.append(req.slots[start:end])
+        for p in range(start, end):  # each row's keys: the request's, up to its own
+            dkv_indices.append(req.slots[: p + 1])
+            dkv.append(dkv[-1] + p + 1)
+        row += end - start
+        sample_rows.append(len(logit_rows))
+        logit_rows.append(row - 1)
+        targets.append(-1)
+        sample_reqs.append(req)
     cat = lambda parts: (
         np.concatenate([np.asarray(p, dtype=I64) for p in parts]) if parts else np.zeros(0, I64)
     )
@@ -110,7 +128,8 @@ def build_plan(
         copy_dst=cat(copy_dst),
         hidden_rows=np.asarray(hidden_rows, I64),
     )
-    if any(r.lora for r in [*extends, *(verifies or []), *decodes]):  # else every row the base's
+    stepped = [*extends, *(verifies or []), *decodes, *(jump_rows or [])]
+    if any(r.lora for r in stepped):  # else every row the base's
         plan.lora_ids = cat(lora_ids)
     # verify row j samples as a decode would after the first j drafts were accepted
     rows = [(r, 0) for r in sample_reqs]
@@ -123,8 +142,30 @@ def build_plan(
             wanted += range(at, at + 1 + len(req.draft_ids))
         at += 1 + len(req.draft_ids)
     plan.prob_rows = np.asarray(wanted, I64)
-    add_images(plan, extends, verifies or [], decodes)
+    add_images(plan, extends, verifies or [], decodes)  # jump_rows hold no images
     return plan, sample_reqs
+
+
+# A jump of at most this many pending tokens runs as decode rows. On a CPU an extend goes
+# through the general attention path (a padded gather of its keys, per request), which cost
+# as much as the decode rows of the whole batch at json_decode's 330-token contexts; as rows
+# of the decode batch its tokens take the decode kernel's one call per layer. Each row reads
+# its request's keys again, so a long jump stays an extend.
+JUMP_ROWS_MAX = 16
+
+
+def as_decode_rows(req: Req) -> bool:
+    """Whether a request's jumped tokens can run as decode rows: no logprobs wanted for them
+    (those take logit rows an extend lays out), no images (their rows need mrope positions),
+    a jump that did not end the request, and a short jump."""
+    pending = req.seq_len - req.kv_len
+    return (
+        1 < pending <= JUMP_ROWS_MAX
+        and not req.return_logprob
+        and not req.images
+        and req.jump_finish is None
+        and req.copy_src is None
+    )
 
 
 def _fill_sampling(

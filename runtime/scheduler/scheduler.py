@@ -22,7 +22,7 @@ from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
-from radixflow.runtime.scheduler.batch import build_plan
+from radixflow.runtime.scheduler.batch import as_decode_rows, build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
 from radixflow.runtime.scheduler.jump_forward import JumpForward
 from radixflow.runtime.scheduler.lora_table import LoraTable
@@ -159,6 +159,7 @@ class Scheduler:
         updated += self._make_decode_room()
         spare = self.pool.num_free_pages - self._decode_pages_needed()
         jumps = [r for r in self.running if r.seq_len - r.kv_len > 1]  # jumped tokens pending
+        jumps.sort(key=as_decode_rows)  # those run as decode rows last (store_logprobs' order)
         stepping = [r for r in self.running if r.seq_len - r.kv_len == 1]
         verifies = self.spec.propose(stepping, spare, self.pool.page_size, self.context_len)
         decodes = [r for r in stepping if not r.draft_ids]
@@ -176,8 +177,9 @@ class Scheduler:
             return updated
         try:
             plan, sample_reqs = build_plan(
-                extends + jumps, decodes, self.vocab_size, self.eos_token_ids, verifies
-            )
+                extends + [r for r in jumps if not as_decode_rows(r)], decodes, self.vocab_size,
+                self.eos_token_ids, verifies, [r for r in jumps if as_decode_rows(r)],
+            )  # fmt: skip
             result = self.runner.forward(plan)
             self.counters["forward_steps"] += 1
             updated += self._postprocess(plan, result, extends, jumps, decodes, sample_reqs)

@@ -130,8 +130,10 @@ def call_schema(tools: list[Tool], arguments: str = "arguments") -> dict[str, An
 
 
 def schema_regex(schema: dict[str, Any]) -> str:
+    """A call's regex: an optional space around every `{ } [ ] , :` (models lay calls out
+    their own way; the canonical layout is for json_schema constraints)."""
     try:
-        return bounded_schema_regex(schema, build_regex_from_schema, None)
+        return bounded_schema_regex(schema, build_regex_from_schema, "[ ]?")
     except (ValueError, TypeError) as e:
         raise ToolError(f"a tool's parameters are not a usable JSON schema: {e}") from e
 

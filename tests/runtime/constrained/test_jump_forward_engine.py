@@ -162,3 +162,39 @@ def test_outlines_core_jumps_keep_outputs_valid(make_engine) -> None:
     assert on_steps < off_steps
     assert all(o["meta_info"]["jump_forward_tokens"] > 0 for o in on)
     on_engine.check_idle()
+
+
+def test_canonical_json_jumps_keys_and_separators_as_decode_rows(engine, make_engine) -> None:
+    """The bench's three-key schema (json_decode): in the canonical layout every key with the
+    separators around it is forced text (`{"name": `, `, "age": `, `, "city": `), all jumped,
+    and the jumped tokens run as decode rows (no extend after the prompt's). With whitespace
+    allowed around `,` and `:` (--grammar-any-whitespace) only the keys are forced."""
+    from radixflow.bench.workloads import PERSON_SCHEMA
+
+    prompt = chat("Ada is 41 years old and lives in Oslo. Give her name, age and city as JSON.")
+    params = {"max_new_tokens": 40, "temperature": 0, "json_schema": PERSON_SCHEMA}
+    encode = engine.tokenizer.encode
+    keys = sum(
+        len(encode(t, add_special_tokens=False)) for t in ('{"name":', ' "age":', ' "city":')
+    )
+    extends: list[int] = []
+    runner = engine.scheduler.runner
+    forward = runner.forward
+
+    def recording(plan):
+        extends.append(plan.num_extend_tokens)
+        return forward(plan)
+
+    runner.forward = recording
+    try:
+        out = engine.generate(prompt, params)
+    finally:
+        runner.forward = forward
+    text, jumped = out["text"], out["meta_info"]["jump_forward_tokens"]
+    validate(json.loads(text), json.loads(PERSON_SCHEMA))
+    assert text == json.dumps(json.loads(text)), text  # json.dumps's layout
+    assert jumped >= keys, (jumped, keys, text)
+    assert len(extends) > 1 and not any(extends[1:]), extends  # jumps were decode rows
+    flexible = make_engine(grammar_any_whitespace=True).generate(prompt, params)
+    validate(json.loads(flexible["text"]), json.loads(PERSON_SCHEMA))
+    assert flexible["meta_info"]["jump_forward_tokens"] < keys, flexible["text"]

@@ -78,6 +78,36 @@ def test_same_documents_as_outlines(backend, tokenizer) -> None:
         outlines.shutdown()
 
 
+def test_both_backends_lay_json_out_as_json_dumps(backend, tokenizer) -> None:
+    """With no whitespace pattern (the default) both backends accept JSON exactly as
+    `json.dumps` lays it out (random schemas: nested objects, arrays, optional properties, any
+    object) and refuse the same document compact, padded inside its braces or indented."""
+    import random
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+    from test_tool_calls import random_instance, random_schema
+
+    rng = random.Random(7)
+    cases = [({"type": "object"}, {"a": [1, {"b": None}], "c": {}, "d": [], "e": "f"})]
+    cases += [(schema, random_instance(schema, rng)) for schema in map(random_schema, [rng] * 12)]
+    outlines = GrammarBackend(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    try:
+        for schema, doc in cases:
+            key = ("json", json.dumps(schema))
+            texts = [(json.dumps(doc), True)]
+            if doc:
+                texts.append((json.dumps(doc, separators=(",", ":")), False))
+                texts.append((json.dumps(doc, indent=1), False))
+                texts.append(("{ " + json.dumps(doc)[1:-1] + " }", False))
+            for text, valid in texts:
+                assert walk(backend, tokenizer, key, text) == valid, (schema, text)
+                assert walk(outlines, tokenizer, key, text) == valid, (schema, text)
+    finally:
+        outlines.shutdown()
+
+
 def test_eos_ends_and_forbidden_tokens_raise(backend, tokenizer) -> None:
     grammar = backend.get(("choices", '["yes"]'))
     eos = tokenizer.eos_token_id

@@ -58,7 +58,9 @@ def allowed(g: Any, size: int) -> np.ndarray:
 
 
 def write(g: Any, tokenizer: Any, text: str, size: int, one_byte: bool = True) -> None:
-    """Feed `text` (a byte per token unless one_byte is False), each token checked allowed."""
+    """Feed `text` (a byte per token unless one_byte is False), each token checked allowed.
+    Text a grammar forces (a canonical JSON call's `{"a`) is written as the tokenizer splits
+    it: llguidance's masks hold forced text to that tokenization."""
     ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize(text)]
     if one_byte:
         ids = [i for c in text for i in tokenizer.encode(c, add_special_tokens=False)]
@@ -74,7 +76,7 @@ def test_a_call_is_constrained_between_its_tags_then_free(backend: Any, tokenize
     write(g, tokenizer, "Let me see. <tool_call>", size, one_byte=False)
     mask = allowed(g, size)
     assert mask.sum() == 1 and mask[tokenizer.encode("\n")[0]]  # begin's rest
-    write(g, tokenizer, '\n{"a": 12}', size)
+    write(g, tokenizer, '\n{"a": 12}', size, one_byte=False)
     assert not allowed(g, size)[tokenizer.encode("x")[0]]  # no junk inside the call
     assert not allowed(g, size)[EOS]  # nor an end before </tool_call>
     write(g, tokenizer, "\n</tool_call>", size)
@@ -87,7 +89,7 @@ def test_a_call_is_constrained_between_its_tags_then_free(backend: Any, tokenize
 def test_stop_after_first_and_at_start(backend: Any, tokenizer: Any) -> None:
     size = len(tokenizer) + 4
     g = grammar(backend, {**HERMES, "stop_after_first": True})
-    write(g, tokenizer, '<tool_call>\n{"a": 1}\n</tool_call>', size)
+    write(g, tokenizer, '<tool_call>\n{"a": 1}\n</tool_call>', size, one_byte=False)
     assert g.is_terminated() and allowed(g, size).sum() == 1 and allowed(g, size)[EOS]
     llama = {"structures": [{"begin": "{", "regex": '"a": [0-9]}', "end": ""}],
              "triggers": ["{"], "at_start": True, "stop_after_first": True}  # fmt: skip
@@ -110,7 +112,7 @@ def test_the_watch_starts_after_the_reasoning(backend: Any, tokenizer: Any) -> N
     assert allowed(g, size).sum() == size - 1  # all but the token running past </think>
     write(g, tokenizer, ">", size)
     assert not allowed(g, size)[tokenizer.encode("x")[0]]  # the constraint starts here
-    write(g, tokenizer, '{"a": 5}', size)
+    write(g, tokenizer, '{"a": 5}', size, one_byte=False)
     assert allowed(g, size)[EOS]
     copy = g.copy()  # a fresh one, at the start
     assert allowed(copy, size)[tokenizer.encode("x")[0]]
@@ -166,9 +168,9 @@ def test_xgrammar_at_least_one_opens_with_a_tag(backend: Any, tokenizer: Any) ->
     mask = allowed(g, size)
     assert not mask[tokenizer.encode("x")[0]] and not mask[EOS]  # no free text first
     write(g, tokenizer, "<tool_call>", size, one_byte=False)  # llguidance: the one token
-    write(g, tokenizer, '\n{"a": 7}\n</tool_call>', size)
+    write(g, tokenizer, '\n{"a": 7}\n</tool_call>', size, one_byte=False)
     assert g.is_terminated()
     g = grammar(backend, {"type": "structural_tag",
                           "format": {"type": "json_schema", "json_schema": CALL}})  # fmt: skip
-    write(g, tokenizer, '{"a": 2}', size)
+    write(g, tokenizer, '{"a": 2}', size, one_byte=False)
     assert allowed(g, size)[EOS] and not allowed(g, size)[tokenizer.encode("x")[0]]

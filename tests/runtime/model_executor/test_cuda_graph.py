@@ -130,6 +130,21 @@ def test_padded_replay_equals_eager(
         assert not graphed.k_caches[:, 0].any() and not graphed.v_caches[:, 0].any()
 
 
+def test_replay_returns_only_the_logit_rows(triton_model: CausalLM) -> None:
+    """A jump's tokens run as decode rows with a logit row only after the last
+    (runtime/scheduler/batch.py): the graph's logits are those rows', as the eager step's."""
+    eager, graphed = eager_and_graphs(triton_model)
+    plan = decode_plan(3, seed=5)
+    plan.logit_rows = np.array([0, 2], np.int64)
+    plan.logprob_targets = np.full(2, -1, np.int64)
+    plan.sample_rows = np.arange(2, dtype=np.int64)
+    with torch.inference_mode():
+        expected = triton_model(eager.inputs.forward_batch(plan), eager.k_caches, eager.v_caches)
+        logits = graphed.graphs.replay(plan)
+    assert logits is not None and logits.shape == (2, 97) == expected.shape
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_all_padding_batch_is_what_capture_runs(triton_model: CausalLM) -> None:
     """Capture runs the graph over an all-padding batch: finite logits, no real slot
     written, the dummy slot zeroed."""
