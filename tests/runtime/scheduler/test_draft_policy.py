@@ -127,7 +127,9 @@ def test_a_cold_json_request_drafts_its_schema_skeleton(engine, make_engine) -> 
     prompt = chat("Describe Maya, who is 82 and lives in Pune, as JSON.")
     params = {"json_schema": PERSON, "max_new_tokens": 40, "temperature": 0}
     ref = engine.generate(prompt, params)
-    spec = make_engine(speculative_algorithm="ngram")
+    # jump-forward off: with it on, the canonical layout's keys and separators are forced
+    # and appended by the jump, leaving the skeleton's drafts nothing to propose
+    spec = make_engine(speculative_algorithm="ngram", disable_jump_forward=True)
     got = spec.generate(prompt, params)
     assert got["output_ids"] == ref["output_ids"]
     assert json.loads(got["text"]).keys() == {"name", "age", "city"}

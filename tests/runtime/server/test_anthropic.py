@@ -194,9 +194,11 @@ def test_count_tokens_is_a_real_calls_input(client: anthropic.Anthropic, server)
     thinking = {"type": "enabled", "budget_tokens": 1024}  # SmolLM2's template ignores it
     assert client.messages.count_tokens(**request, thinking=thinking).input_tokens == counted
     assert httpx.post(f"{server.url}/flush_cache", timeout=60).status_code == 200
-    cold = create(client, max_tokens=1, **{k: v for k, v in request.items() if k != "model"})
+    # 4 tokens: with tools the reply opens with a forced `{"`, which alone would end a
+    # one-token reply by a jump, before the prompt is ever computed (so nothing is cached)
+    cold = create(client, max_tokens=4, **{k: v for k, v in request.items() if k != "model"})
     assert (cold.usage.input_tokens, cold.usage.cache_read_input_tokens) == (counted, 0)
-    warm = create(client, max_tokens=1, **{k: v for k, v in request.items() if k != "model"})
+    warm = create(client, max_tokens=4, **{k: v for k, v in request.items() if k != "model"})
     assert warm.usage.cache_read_input_tokens > 0  # the radix cache held the prompt
     assert warm.usage.input_tokens + warm.usage.cache_read_input_tokens == counted
     # a failed tool's result reaches the model marked as an error
