@@ -121,7 +121,8 @@ def test_sigkill_mid_write_leaves_a_readable_store(tmp_path: Path) -> None:
         for i in range(100000):
             t = rng.integers(0, 50000, 64)
             store.put(i.to_bytes(16, "big"), t, np.full((64, 4096), i % 251, np.uint8))
-            if i == 20:
+            if i == 20:  # some blocks surely on disk (the writer thread may lag), more coming
+                store.flush()
                 print("writing", flush=True)
     """)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
