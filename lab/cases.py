@@ -22,7 +22,8 @@ from typing import Any
 from radixflow.bench.workloads import WORDS, WORKLOADS, Call, Codec, Workload, server_codec
 from radixflow.lab.profiles import load_profile
 from radixflow.lab.simulate import VirtualClock, drive, sim_scheduler, word_codec
-from radixflow.runtime.config import ServerConfig, config_from_args
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config.cli import config_from_args
 
 
 def _sentence(rng: random.Random, words: list[str], n: int) -> str:

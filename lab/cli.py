@@ -23,12 +23,8 @@ from radixflow.lab.diagnose import diagnose_main, diagnose_parser
 from radixflow.lab.profiles import RooflineProfile, load_profile, save_profile
 from radixflow.lab.simulate import MODES, calibrate, simulate_modes
 from radixflow.lab.tree import tree_main, tree_parser
-from radixflow.runtime.config import (
-    DEFAULT_POOL_TOKENS,
-    ServerConfig,
-    add_config_arguments,
-    config_from_args,
-)
+from radixflow.runtime.config import DEFAULT_POOL_TOKENS, ServerConfig
+from radixflow.runtime.config.cli import add_config_arguments, config_from_args
 
 LAB_COMMANDS = ("simulate", "diagnose", "tree")
 USAGE = """usage: radixflow COMMAND [options]   (radixflow COMMAND --help for each)

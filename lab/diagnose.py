@@ -26,7 +26,7 @@ from typing import Any
 
 from radixflow import RuntimeEndpoint
 from radixflow.lab.cases import config_with_file, run_case
-from radixflow.runtime.config import add_config_arguments
+from radixflow.runtime.config.cli import add_config_arguments
 
 THRESHOLD = 0.3
 STALL_TOKENS = 256  # a prefill this large beside decodes stalls them (on any device)

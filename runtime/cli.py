@@ -23,7 +23,8 @@ import logging
 import sys
 from pathlib import Path
 
-from radixflow.runtime.config import add_config_arguments, config_from_args, config_from_kwargs
+from radixflow.runtime.config import config_from_kwargs
+from radixflow.runtime.config.cli import add_config_arguments, config_from_args
 from radixflow.runtime.desk.catalog import is_desk, single_model
 from radixflow.runtime.desk.serve import serve_desk
 from radixflow.runtime.distributed.data_parallel import serve_data_parallel

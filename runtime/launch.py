@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from radixflow.runtime import models
 from radixflow.runtime.cache.kv_pool import KVPool
-from radixflow.runtime.config import ServerConfig, fixed_threads, lora_adapters
+from radixflow.runtime.config import ServerConfig, fixed_threads
+from radixflow.runtime.config.checks import lora_adapters
 from radixflow.runtime.constrained.grammar import GrammarBackend
 from radixflow.runtime.constrained.llg_backend import LlgBackend
 from radixflow.runtime.constrained.triggered import TriggeredBackend

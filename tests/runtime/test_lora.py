@@ -26,7 +26,9 @@ from radixflow.runtime.cache.kv_pool import KVPool
 from radixflow.runtime.cache.radix_cache import TOKEN_MASK
 from radixflow.runtime.cache.tiered import on_disk
 from radixflow.runtime.cli import build_parser
-from radixflow.runtime.config import ServerConfig, config_from_args, lora_adapters
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config.checks import lora_adapters
+from radixflow.runtime.config.cli import config_from_args
 from radixflow.runtime.model_executor.model_runner import load_model
 from radixflow.runtime.models.layers import CausalLM, ForwardBatch
 from radixflow.runtime.models.loader import resolve_model_dir

@@ -15,7 +15,8 @@ from family_models import one_thread, save_family
 from conftest import CHAT_PROMPTS, chat
 from radixflow.kernels.cpu import decode_loop
 from radixflow.runtime import Engine
-from radixflow.runtime.config import ServerConfig, add_config_arguments, config_from_args
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config.cli import add_config_arguments, config_from_args
 from radixflow.runtime.model_executor.kv_sizing import KV_DTYPES, kv_cache_dtype
 from radixflow.runtime.models import UnsupportedModelError
 

@@ -16,7 +16,8 @@ from family_models import one_thread, save_family, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
 from radixflow.runtime import Engine
-from radixflow.runtime.config import ServerConfig, add_config_arguments, config_from_args
+from radixflow.runtime.config import ServerConfig
+from radixflow.runtime.config.cli import add_config_arguments, config_from_args
 from radixflow.runtime.models.loader import (
     ModelNotFoundError,
     UnsupportedModelError,

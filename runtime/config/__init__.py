@@ -1,36 +1,19 @@
 """ServerConfig: every knob of the runtime, one frozen dataclass.
 
-CLI flags are generated from the fields (name, type, default and the `help` metadata), so a
-new knob is one new field. Values discovered at run time (the EOS id, the pool size actually
-allocated) are returned by whoever discovers them and never written back here.
+CLI flags are generated from the fields (name, type, default and the `help` metadata:
+`config.cli`), so a new knob is one new field; its allowed values and rules live in
+`config.checks`. Values discovered at run time (the EOS id, the pool size actually allocated)
+are returned by whoever discovers them and never written back here.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("lpm", "dfs-weight", "fcfs")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-SPECULATIVE = ("", "ngram", "draft")
-GRAMMAR_BACKENDS = ("llguidance", "outlines")
-# SGLang's names (runtime/server/tool_calls.py, reasoning.py)
-TOOL_PARSERS = ("", "hermes", "qwen25", "qwen3", "llama3", "mistral", "pythonic", "generic")
-REASONING = ("", "qwen3", "deepseek-r1")
-ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+from radixflow.runtime.config.checks import check
 
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-# SGLang's spellings plus fp16/fp32; its fp8/fp4 are not built
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "int8")
-QUANTIZATIONS = ("", "int8", "awq", "gptq")
-CPU_MATMULS = ("auto", "onednn", "mkl", "linear")
-QUANTIZED_ACTIVATIONS = ("auto", "int8", "fp32")
-SAMPLING_DEFAULTS = ("model", "openai")
-HICACHE_WRITE_POLICIES = ("write_through", "write_back")
-HICACHE_DTYPES = ("auto", "float16", "bfloat16")
 DEFAULT_POOL_TOKENS = 65536  # a pool sized to the machine stops here (or at one full context)
 ALIASES = {"model": "model_path"}  # older names still accepted (`--model`, Engine(model=))
 
@@ -341,134 +324,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_threads", str(self.num_threads).strip().lower())
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths))  # a list from JSON
-        lora_names = list(lora_adapters(self))
-        checks = [
-            (
-                self.num_threads == "auto" or self.num_threads.isdigit(),
-                f"num_threads must be auto or a number >= 0, not {self.num_threads!r}",
-            ),
-            (self.page_size >= 1, "page_size must be >= 1"),
-            (
-                self.max_total_tokens == 0 or self.max_total_tokens >= 2 * self.page_size,
-                "max_total_tokens must be 0 (sized to the machine) or at least 2 pages",
-            ),
-            (self.max_running_requests >= 1, "max_running_requests must be >= 1"),
-            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
-            (self.grammar_workers >= 1, "grammar_workers must be >= 1"),
-            (self.grammar_timeout_s > 0, "grammar_timeout_s must be > 0"),
-            (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
-            (self.grammar_backend in GRAMMAR_BACKENDS, f"grammar_backend: {GRAMMAR_BACKENDS}"),
-            (
-                self.sampling_defaults in SAMPLING_DEFAULTS,
-                f"sampling_defaults must be one of {SAMPLING_DEFAULTS}",
-            ),
-            (self.tool_call_parser in TOOL_PARSERS, f"tool_call_parser: {TOOL_PARSERS}"),
-            (self.reasoning_parser in REASONING, f"reasoning_parser: {REASONING}"),
-            (
-                self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
-                "chunked_prefill_size must be -1 or >= 1",
-            ),
-            (self.schedule_policy in POLICIES, f"schedule_policy must be one of {POLICIES}"),
-            (
-                self.attention_backend in ATTENTION_BACKENDS,
-                f"attention_backend must be one of {ATTENTION_BACKENDS}",
-            ),
-            (self.schedule_conservativeness > 0, "schedule_conservativeness must be > 0"),
-            (self.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps must be >= 1"),
-            (0 <= self.port < 65536, "port must be in [0, 65535]"),
-            (0 <= self.mem_fraction_static < 1, "mem_fraction_static must be in [0, 1)"),
-            (self.speculative_algorithm in SPECULATIVE, f"speculative_algorithm: {SPECULATIVE}"),
-            (
-                (self.speculative_algorithm == "draft") == bool(self.speculative_draft_model_path),
-                "--speculative-algorithm draft and --speculative-draft-model-path go together",
-            ),
-            (
-                1 <= self.speculative_num_draft_tokens <= 31,
-                "speculative_num_draft_tokens must be in [1, 31]",
-            ),
-            (
-                self.speculative_disable_by_batch_size >= 0,
-                "speculative_disable_by_batch_size must be >= 0",
-            ),
-            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}"),
-            (
-                self.kv_cache_dtype in KV_CACHE_DTYPES,
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: choose one of "
-                f"{KV_CACHE_DTYPES} (SGLang's fp8_e4m3, fp8_e5m2 and fp4_e2m1 are not built)",
-            ),
-            (
-                self.quantization in QUANTIZATIONS,
-                f"quantization must be one of {QUANTIZATIONS}",
-            ),
-            (self.cpu_matmul in CPU_MATMULS, f"cpu_matmul must be one of {CPU_MATMULS}"),
-            (
-                self.quantized_activations in QUANTIZED_ACTIVATIONS,
-                f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}",
-            ),
-            (
-                not self.trust_remote_code,
-                "--trust-remote-code is not supported: radixflow never runs model code from a "
-                "checkpoint; it serves the architectures it implements itself",
-            ),
-            (0 <= self.zmq_port < 65536, "zmq_port must be in [0, 65535]"),
-            (self.dp_size >= 1, "dp_size must be >= 1"),
-            (self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs must be >= 1"),
-            (self.threads_per_replica >= 0, "threads_per_replica must be >= 0"),
-            (self.router_policy in ROUTER_POLICIES, f"router_policy: {ROUTER_POLICIES}"),
-            (self.tp_size >= 1, "tp_size must be >= 1"),
-            (
-                self.nnodes >= 1 and self.tp_size % self.nnodes == 0,
-                "nnodes must be >= 1 and divide tp_size",
-            ),
-            (0 <= self.node_rank < self.nnodes, "node_rank must be in [0, nnodes)"),
-            (
-                self.nnodes == 1 or _is_host_port(self.dist_init_addr),
-                "--nnodes > 1 needs --dist-init-addr host:port (rank 0's address)",
-            ),
-            (
-                not self.dist_init_addr or _is_host_port(self.dist_init_addr),
-                "dist_init_addr must be host:port",
-            ),
-            (self.dist_timeout > 0, "dist_timeout must be > 0"),
-            (
-                all(lora_names) and len(set(lora_names)) == len(self.lora_paths),
-                "--lora-paths: each NAME=PATH needs a name and a path, names unique",
-            ),
-            (self.max_loras_per_batch >= 1, "max_loras_per_batch must be >= 1"),
-            (self.max_lora_rank >= 0, "max_lora_rank must be >= 0"),
-            (
-                not self.lora_paths or self.tp_size == 1,
-                "--lora-paths with --tp-size > 1 is not supported (adapters are not sharded)",
-            ),
-            (self.tp_size == 1 or self.dp_size == 1, "--tp-size with --dp-size is not supported"),
-            (self.hicache_storage_backend == "file", "hicache_storage_backend must be file"),
-            (self.hicache_size > 0, "hicache_size must be > 0 (GB)"),
-            (
-                self.hicache_write_policy in HICACHE_WRITE_POLICIES,
-                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}",
-            ),
-            (
-                self.hicache_storage_dtype in HICACHE_DTYPES,
-                f"hicache_storage_dtype must be one of {HICACHE_DTYPES}",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        check(self)
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
-
-
-def lora_adapters(config: ServerConfig) -> dict[str, str]:
-    """--lora-paths as {name: path}: NAME=PATH, or PATH named by itself (SGLang's forms)."""
-    pairs = [entry.partition("=") for entry in config.lora_paths]
-    return {name: path if sep else name for name, sep, path in pairs if not sep or path}
-
-
-def _is_host_port(addr: str) -> bool:
-    host, sep, port = addr.rpartition(":")
-    return bool(sep and host and port.isdigit() and int(port) < 65536)
 
 
 def config_from_kwargs(**kwargs: Any) -> ServerConfig:
@@ -488,40 +347,3 @@ def fixed_threads(config: ServerConfig) -> int:
     """--num-threads as a fixed count (0: torch's default, and for auto: the governor then
     follows the free cores, runtime/model_executor/threads.py)."""
     return 0 if config.num_threads == "auto" else int(config.num_threads)
-
-
-class JoinRepeated(argparse.Action):
-    """A flag given several times: its values joined by commas (the first replaces the
-    default)."""
-
-    def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
-        seen = f"_{self.dest}_given"
-        if getattr(namespace, seen, False):
-            value = f"{getattr(namespace, self.dest)},{value}"
-        setattr(namespace, seen, True)
-        setattr(namespace, self.dest, value)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per ServerConfig field (`--max-total-tokens`, `--disable-radix-cache`),
-    and the ALIASES' old flags (`--model` for `--model-path`)."""
-    old_names = {new: old for old, new in ALIASES.items()}
-    for f in dataclasses.fields(ServerConfig):
-        flags = ["--" + f.name.replace("_", "-")]
-        if f.name in old_names:
-            flags.append("--" + old_names[f.name].replace("_", "-"))
-        help_text = f"{f.metadata['help']} (default: {f.default!r})"
-        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_text}
-        if f.type in (bool, "bool"):
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif f.name == "model_path":  # several: NAME=PATH each, joined by commas
-            parser.add_argument(*flags, action=JoinRepeated, **kw)
-        elif f.type == "tuple[str, ...]":  # several values after the flag, or it repeated
-            kw["default"] = list(f.default)
-            parser.add_argument(*flags, nargs="+", action="extend", **kw)
-        else:
-            parser.add_argument(*flags, type={"int": int, "float": float, "str": str}[f.type], **kw)
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)})
