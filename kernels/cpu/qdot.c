@@ -32,7 +32,16 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * --quantized-activations auto keeps them on the exact paths. */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
+#define INT_ROWS_K_GEMM (1 << 30) /* no AMX-INT8, AVX512-VNNI: qdot_gemm.c at every row count */
 #define INT_ROWS_32 4
+#define INT_GEMM_ROWS 8 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels */
+static int gemm_rows_set = 0;
+/* Rows from which the AVX512-VNNI integer path runs qdot_gemm.c's panels instead of the
+ * row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
+int rf_qset_int_gemm_rows(int rows) {
+    if (rows >= 0) gemm_rows_set = rows;
+    return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
+}
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
 static int int_rows_set = 0;
@@ -129,7 +138,9 @@ int rf_qset_int_rows(int rows) {
 
 static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
-    return idot_block(qtype) != 256 ? INT_ROWS_32 : amx_int ? INT_ROWS_K_AMX : INT_ROWS_K;
+    if (idot_block(qtype) != 256) return INT_ROWS_32;
+    if (amx_int) return INT_ROWS_K_AMX;
+    return rf_qset_int_isa(-1) == IDOT_VNNI512 ? INT_ROWS_K_GEMM : INT_ROWS_K;
 }
 
 static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,

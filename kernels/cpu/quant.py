@@ -65,6 +65,7 @@ SIGNATURES = {
     "rf_qset_activations": (_C, [_C]),
     "rf_qset_int_isa": (_C, [_C]),
     "rf_qset_int_rows": (_C, [_C]),
+    "rf_qset_int_gemm_rows": (_C, [_C]),
     "rf_qset_amx_int_rows": (_C, [_C]),
     "rf_qset_amx_bf16_rows": (_C, [_C]),
     "rf_qquantize_acts": (_C, [_P, _I, _I, _I, _C, _P, _P]),
@@ -166,6 +167,14 @@ def set_int_rows(rows: int) -> int:
     paths): `rows` > 0 sets it, 0 restores the default, -1 only asks."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_int_rows(rows)
+
+
+def set_int_gemm_rows(rows: int) -> int:
+    """From how many rows the AVX512-VNNI integer path unpacks 16-row panels of a K-type
+    weight once for all rows of x (qdot_gemm.c) instead of once per 4 rows: `rows` > 0 sets
+    it, 0 restores the default, -1 only asks."""
+    lib = library()
+    return 0 if lib is None else lib.rf_qset_int_gemm_rows(rows)
 
 
 def set_amx_int_rows(rows: int) -> int:

@@ -7,7 +7,11 @@ and every row count it is taken for; and which calls take it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,10 +190,82 @@ def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
     assert tiny[0, 0].item() != 0
     exact = native_quant.linear(tiny[:1], w, activations="fp32")
     assert exact is not None and exact.abs().max() > 0, "the exact path keeps denormals"
-    rows = [1, 64]
+    rows = [1, 8, 64]  # 8: qdot_gemm.c's panels on AVX512-VNNI
     if native_quant.set_amx_int_rows(-1):
         rows.append(16)  # between the integer dot products' limit and the bf16 pass
     for m in rows:
         got = native_quant.linear(tiny[:m], w, activations="int8")
         assert got is not None and torch.equal(got, torch.zeros_like(got)), f"{m} rows"
         assert (tiny[:1] * 1.0)[0, 0].item() != 0, f"{m} rows left denormals flushed"
+
+
+K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=quant.NAMES.get)
+def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
+    """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 16-feature
+    panels, a partial one of 5; rows 8 at a time and a remainder; x in blocks of 96 rows at
+    K = 4096: 300 = 3 x 96 + 12), from its default threshold and from one row, with a bias into
+    a wider out."""
+    n, k = 37, 4096
+    w = random_weight(qtype, n, k, seed=qtype)
+    gen = torch.Generator().manual_seed(9)
+    bias = torch.randn(n, generator=gen)
+    native_quant.set_int_rows(1 << 20)
+    default = native_quant.set_int_gemm_rows(0)
+    try:
+        for m in (1, 5, 8, 17, 64, 300):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+            expected = quant.linear_int8(x, w, bias)
+            for gemm_rows in (default, 1):
+                native_quant.set_int_gemm_rows(gemm_rows)
+                out = torch.full((m, n + 3), float("nan"))
+                native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="int8")
+                assert_int8_near(out[:, 1 : 1 + n], expected)
+                assert out[:, 0].isnan().all() and out[:, 1 + n :].isnan().all()
+    finally:
+        native_quant.set_int_gemm_rows(0)
+
+
+def test_with_amx_the_integer_path_stops_at_8_rows() -> None:
+    """AMX present: the integer path (256-blocks of x) up to 8 rows, AMX-INT8 (32-blocks of x)
+    above, as before qdot_gemm.c."""
+    if native_quant.set_amx_int_rows(-1) == 0:
+        pytest.skip("no AMX-INT8 here")
+    w = random_weight(quant.Q4_K, 40, 512)
+    gen = torch.Generator().manual_seed(10)
+    for m, block in ((5, 256), (8, 256), (9, 32), (17, 32)):
+        x = torch.randn((m, 512), generator=gen)
+        expected = quant.linear_int8(x, w, block=block)
+        assert_int8_near(native_quant.linear(x, w, activations="int8"), expected)
+
+
+NO_AMX = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from test_quant import random_weight
+from radixflow.kernels import quant
+from radixflow.kernels.cpu import quant as native_quant
+for m in (17, 64, 300):
+    w = random_weight(quant.Q6_K if m == 64 else quant.Q4_K, 40, 1024, seed=m)
+    x = torch.randn((m, 1024), generator=torch.Generator().manual_seed(m))
+    expected = quant.linear_int8(x, w)
+    err = (native_quant.linear(x, w, activations="int8") - expected).abs().max()
+    print(m, (err / expected.abs().max()).item())
+"""
+
+
+@pytest.mark.skipif(BEST != "avx512-vnni", reason="qdot_gemm.c is AVX512-VNNI's")
+def test_without_amx_the_integer_path_takes_many_rows() -> None:
+    """RADIXFLOW_QUANT_AMX=0 (a CPU without AMX, as AMD Zen 4): every row count of a K type
+    on the integer path, not the fp32 panels (5e-3 away), by default."""
+    env = {**os.environ, "RADIXFLOW_QUANT_AMX": "0"}
+    code = NO_AMX.format(here=str(Path(__file__).parent))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    lines = result.stdout.split("\n")[:-1]
+    assert len(lines) == 3, result.stderr[-2000:]
+    for line in lines:
+        assert float(line.split()[1]) <= 2e-6, line
