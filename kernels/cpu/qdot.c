@@ -34,7 +34,7 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_K_GEMM (1 << 30) /* no AMX-INT8, AVX512-VNNI: qdot_gemm.c at every row count */
 #define INT_ROWS_32 4
-#define INT_GEMM_ROWS 8 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels */
+#define INT_GEMM_ROWS 5 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels */
 static int gemm_rows_set = 0;
 /* Rows from which the AVX512-VNNI integer path runs qdot_gemm.c's panels instead of the
  * row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
