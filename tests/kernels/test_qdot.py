@@ -205,8 +205,8 @@ K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
 @pytest.mark.parametrize("qtype", K_TYPES, ids=quant.NAMES.get)
 def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
     """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 16-feature
-    panels, a partial one of 5; rows 8 at a time and a remainder; x in blocks of 96 rows at
-    K = 4096: 300 = 3 x 96 + 12), from its default threshold and from one row, with a bias into
+    panels, a partial one of 5; rows 8 at a time and a remainder; x in blocks of 256 rows at
+    K = 4096: 300 = 256 + 44), from its default threshold and from one row, with a bias into
     a wider out."""
     n, k = 37, 4096
     w = random_weight(qtype, n, k, seed=qtype)
