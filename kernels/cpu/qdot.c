@@ -1,4 +1,4 @@
-/* A few rows of x against quantized weight blocks with 8-bit integer dot products: x is
+/* Rows of x against quantized weight blocks with 8-bit integer dot products: x is
  * quantized per block to int8 (once a call), each weight block's integers are multiplied
  * against it in int32 (AVX512-VNNI or AVX-VNNI `vpdpbusd`, AVX2 `maddubs`), and only a block's
  * sum is scaled in fp32. Included by quant.c on x86 (rf_qlinear takes it for up to
@@ -29,12 +29,19 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * fp32 fma a block: level with the fused fp32 kernels at one to four rows (Q4_0 0.83 against
  * 0.81 ms, Q8_0 0.74 against 0.75, Q4_1 1.40 against 0.78 on Q4_1R: 4096 x 4096, 2 threads
  * of this project's Xeon), 0.65x at 16; so int8 mode takes them here up to 4 rows, and
- * --quantized-activations auto keeps them on the exact paths. */
+ * --quantized-activations auto keeps them on the exact paths.
+ * On AVX512-VNNI without AMX-INT8 (AMD Zen 4; RADIXFLOW_QUANT_AMX=0) the K types stay here at
+ * every row count: on 7B's layer shapes (one thread of this project's Xeon, AMX off)
+ * qdot_gemm.c's panels ran 2.1x the row kernels' speed at 16 rows and 2.8x / 2.6x / 2.5x the
+ * fp32 panel path's at 32 / 64 / 256. With AMX-INT8 the limit stays 8: its tiles and these panels measured
+ * within 1.1x of each other from 16 rows, and the tiles quantize x per 32, finer. */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
-#define INT_ROWS_K_GEMM (1 << 30) /* no AMX-INT8, AVX512-VNNI: qdot_gemm.c at every row count */
+#define INT_ROWS_K_GEMM (1 << 30)
 #define INT_ROWS_32 4
-#define INT_GEMM_ROWS 5 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels */
+/* rows from which AVX512-VNNI takes qdot_gemm.c's panels for the K types instead of the row
+ * kernels (which unpack a weight row per 4 rows of x): level at 5 rows, 1.3-1.5x at 8 */
+#define INT_GEMM_ROWS 5
 static int gemm_rows_set = 0;
 /* Rows from which the AVX512-VNNI integer path runs qdot_gemm.c's panels instead of the
  * row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */

@@ -12,7 +12,11 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   (qdot.c: AVX512-VNNI / AVX-VNNI / AVX2 maddubs, `set_int_isa`) up to `set_int_rows`' rows,
   AMX-INT8 tile products above (qdot_amx.c, `set_amx_int_rows`), one bf16 tile pass from
   `set_amx_bf16_rows` (64) rows; the reference is `quant.linear_int8`. On a 7B Q4_K weight at
-  one row (2 threads of this project's Xeon) the integer path ran 2.5-3x the fp32 one.
+  one row (2 threads of this project's Xeon) the integer path ran 2.5-3x the fp32 one. On
+  AVX512-VNNI the K types from `set_int_gemm_rows` (5) rows unpack 16-feature panels once for
+  all rows (qdot_gemm.c), and without AMX-INT8 (AMD Zen 4, RADIXFLOW_QUANT_AMX=0) take the
+  integer path at every row count: a 7B layer at 16 / 64 / 256 rows in 32 / 85 / 314 ms of
+  one thread, against 68 (the row kernels) / 224 / 777 ms (the fp32 panels) before.
 - "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;
