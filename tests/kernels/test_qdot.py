@@ -204,16 +204,18 @@ K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=quant.NAMES.get)
 def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
-    """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 16-feature
-    panels, a partial one of 5; rows 8 at a time and a remainder; x in blocks of 256 rows at
-    K = 4096: 300 = 256 + 44), from its default threshold and from one row, with a bias into
-    a wider out."""
-    n, k = 37, 4096
+    """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 11
+    16-feature panels, the last one of 5, in 3 chunks of 4 over 2 threads; rows 8 at
+    a time and a remainder; x in blocks of 256 rows at K = 4096: 300 = 256 + 44), from its
+    default threshold and from one row, with a bias into a wider out."""
+    n, k = 165, 4096
     w = random_weight(qtype, n, k, seed=qtype)
     gen = torch.Generator().manual_seed(9)
     bias = torch.randn(n, generator=gen)
     native_quant.set_int_rows(1 << 20)
     default = native_quant.set_int_gemm_rows(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
         for m in (1, 5, 8, 17, 64, 300):
             x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
@@ -226,6 +228,7 @@ def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
                 assert out[:, 0].isnan().all() and out[:, 1 + n :].isnan().all()
     finally:
         native_quant.set_int_gemm_rows(0)
+        torch.set_num_threads(threads)
 
 
 def test_with_amx_the_integer_path_stops_at_8_rows() -> None:
