@@ -30,14 +30,15 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * 0.81 ms, Q8_0 0.74 against 0.75, Q4_1 1.40 against 0.78 on Q4_1R: 4096 x 4096, 2 threads
  * of this project's Xeon), 0.65x at 16; so int8 mode takes them here up to 4 rows, and
  * --quantized-activations auto keeps them on the exact paths.
- * On AVX512-VNNI without AMX-INT8 (AMD Zen 4; RADIXFLOW_QUANT_AMX=0) the K types stay here at
- * every row count: on 7B's layer shapes (one thread of this project's Xeon, AMX off)
- * qdot_gemm.c's panels ran 2.1x the row kernels' speed at 16 rows and 2.8x / 2.6x / 2.5x the
- * fp32 panel path's at 32 / 64 / 256. With AMX-INT8 the limit stays 8: its tiles and these panels measured
- * within 1.1x of each other from 16 rows, and the tiles quantize x per 32, finer. */
+ * On AVX512-VNNI the K types take qdot_gemm.c's panels from INT_GEMM_ROWS, and stay here:
+ * without AMX-INT8 (AMD Zen 4; RADIXFLOW_QUANT_AMX=0) at every row count (7B's layer shapes,
+ * one thread of this project's Xeon, AMX off: 2.1x the row kernels' speed at 16 rows, 2.8x /
+ * 2.6x / 2.5x the fp32 panel path's at 32 / 64 / 256); with it up to 63 rows, below the bf16
+ * pass (AMX on: 1.55x AMX-INT8's speed at 9 rows, 1.2x at 16, 1.1x at 32 and 63). */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_K_GEMM (1 << 30)
+#define INT_ROWS_K_GEMM_AMX 63
 #define INT_ROWS_32 4
 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels for the K types instead of the row
  * kernels (which unpack a weight row per 4 rows of x): level at 5 rows, 1.3-1.5x at 8 */
@@ -146,8 +147,9 @@ int rf_qset_int_rows(int rows) {
 static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
     if (idot_block(qtype) != 256) return INT_ROWS_32;
-    if (amx_int) return INT_ROWS_K_AMX;
-    return rf_qset_int_isa(-1) == IDOT_VNNI512 ? INT_ROWS_K_GEMM : INT_ROWS_K;
+    const int gemm = rf_qset_int_isa(-1) == IDOT_VNNI512;
+    if (amx_int) return gemm ? INT_ROWS_K_GEMM_AMX : INT_ROWS_K_AMX;
+    return gemm ? INT_ROWS_K_GEMM : INT_ROWS_K;
 }
 
 static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,

@@ -14,9 +14,10 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   `set_amx_bf16_rows` (64) rows; the reference is `quant.linear_int8`. On a 7B Q4_K weight at
   one row (2 threads of this project's Xeon) the integer path ran 2.5-3x the fp32 one. On
   AVX512-VNNI the K types from `set_int_gemm_rows` (5) rows unpack 16-feature panels once for
-  all rows (qdot_gemm.c), and without AMX-INT8 (AMD Zen 4, RADIXFLOW_QUANT_AMX=0) take the
-  integer path at every row count: a 7B layer at 16 / 64 / 256 rows in 32 / 85 / 314 ms of
-  one thread, against 68 (the row kernels) / 224 / 777 ms (the fp32 panels) before.
+  all rows (qdot_gemm.c) and take the integer path up to 63 rows where AMX is (1.1-1.55x
+  AMX-INT8's speed), at every row count without AMX-INT8 (AMD Zen 4, RADIXFLOW_QUANT_AMX=0): a
+  7B layer at 16 / 64 / 256 rows in 30 / 80 / 289 ms of one thread, against 63 (the row
+  kernels) / 208 / 697 ms (the fp32 panels) before.
 - "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;

@@ -178,7 +178,8 @@ def test_amx_bf16_pass_from_its_threshold() -> None:
     err = (got - exact).abs().max().item()
     assert 1e-6 < err <= 4e-3 * exact.abs().max().item(), f"{err=}"
     below = native_quant.linear(x[:63], w, activations="int8")
-    assert_int8_near(below, quant.linear_int8(x[:63], w, block=32))
+    block = 256 if BEST == "avx512-vnni" else 32  # the integer panels, or AMX-INT8 tiles
+    assert_int8_near(below, quant.linear_int8(x[:63], w, block=block))
 
 
 def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
@@ -192,11 +193,15 @@ def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
     assert exact is not None and exact.abs().max() > 0, "the exact path keeps denormals"
     rows = [1, 8, 64]  # 8: qdot_gemm.c's panels on AVX512-VNNI
     if native_quant.set_amx_int_rows(-1):
-        rows.append(16)  # between the integer dot products' limit and the bf16 pass
-    for m in rows:
-        got = native_quant.linear(tiny[:m], w, activations="int8")
-        assert got is not None and torch.equal(got, torch.zeros_like(got)), f"{m} rows"
-        assert (tiny[:1] * 1.0)[0, 0].item() != 0, f"{m} rows left denormals flushed"
+        rows.append(16)  # AMX-INT8 tiles: the integer path held to 4 rows for it
+    try:
+        for m in rows:
+            native_quant.set_int_rows(4 if m == 16 else 0)
+            got = native_quant.linear(tiny[:m], w, activations="int8")
+            assert got is not None and torch.equal(got, torch.zeros_like(got)), f"{m} rows"
+            assert (tiny[:1] * 1.0)[0, 0].item() != 0, f"{m} rows left denormals flushed"
+    finally:
+        native_quant.set_int_rows(0)
 
 
 K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
@@ -231,17 +236,28 @@ def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
         torch.set_num_threads(threads)
 
 
-def test_with_amx_the_integer_path_stops_at_8_rows() -> None:
-    """AMX present: the integer path (256-blocks of x) up to 8 rows, AMX-INT8 (32-blocks of x)
-    above, as before qdot_gemm.c."""
+def test_with_amx_the_integer_path_stops_below_the_bf16_pass() -> None:
+    """AMX present, by default: a K type on the integer path (256-blocks of x) up to 63 rows
+    on AVX512-VNNI (its panels), 8 on a lower ISA (its row kernels), AMX-INT8 (32-blocks of
+    x) between; a 32-block type on AMX-INT8 from 5 rows."""
     if native_quant.set_amx_int_rows(-1) == 0:
         pytest.skip("no AMX-INT8 here")
     w = random_weight(quant.Q4_K, 40, 512)
     gen = torch.Generator().manual_seed(10)
-    for m, block in ((5, 256), (8, 256), (9, 32), (17, 32)):
-        x = torch.randn((m, 512), generator=gen)
-        expected = quant.linear_int8(x, w, block=block)
-        assert_int8_near(native_quant.linear(x, w, activations="int8"), expected)
+    cases = {"avx512-vnni": ((5, 256), (8, 256), (17, 256), (63, 256)), "avx2": ((8, 256), (9, 32))}
+    for isa, rows in cases.items():
+        native_quant.set_int_isa(isa)
+        try:
+            for m, block in rows:
+                x = torch.randn((m, 512), generator=gen)
+                expected = quant.linear_int8(x, w, block=block)
+                assert_int8_near(native_quant.linear(x, w, activations="int8"), expected)
+        finally:
+            native_quant.set_int_isa(BEST)
+    w32 = random_weight(quant.Q8_0, 40, 512)
+    x = torch.randn((5, 512), generator=gen)
+    got = native_quant.linear(x, w32, activations="int8")
+    assert_int8_near(got, quant.linear_int8(x, w32, block=32))
 
 
 NO_AMX = """
