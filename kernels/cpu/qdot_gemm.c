@@ -1,7 +1,8 @@
-/* Many rows of x against Q4_K, Q5_K and Q6_K weights with 512-bit `vpdpbusd` (AVX512-VNNI),
- * for CPUs without AMX (AMD Zen 4, or RADIXFLOW_QUANT_AMX=0): batched decode steps and
- * prefill chunks. Included by qdot_body.c in its AVX512-VNNI copy only (IDOT_ZMM), after
- * the row kernels, whose activations (acts_t) and unpacking it shares.
+/* Many rows of x against Q4_K, Q5_K and Q6_K weights with 512-bit `vpdpbusd` (AVX512-VNNI):
+ * batched decode steps and prefill chunks, at every row count from 5 on CPUs without AMX
+ * (AMD Zen 4, or RADIXFLOW_QUANT_AMX=0), below the bf16 tile pass (64 rows) with it (qdot.c's
+ * thresholds). Included by qdot_body.c in its AVX512-VNNI copy only (IDOT_ZMM), after the
+ * row kernels, whose activations (acts_t) it shares.
  *
  * Why: the row kernels unpack a weight row for every 4 rows of x and spend a maddubs and a
  * vpdpwssd on each 64 weights and row; from a few rows on, the weights are better unpacked
