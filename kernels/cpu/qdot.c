@@ -1,4 +1,4 @@
-/* A few rows of x against quantized weight blocks with 8-bit integer dot products: x is
+/* Rows of x against quantized weight blocks with 8-bit integer dot products: x is
  * quantized per block to int8 (once a call), each weight block's integers are multiplied
  * against it in int32 (AVX512-VNNI or AVX-VNNI `vpdpbusd`, AVX2 `maddubs`), and only a block's
  * sum is scaled in fp32. Included by quant.c on x86 (rf_qlinear takes it for up to
@@ -29,10 +29,27 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * fp32 fma a block: level with the fused fp32 kernels at one to four rows (Q4_0 0.83 against
  * 0.81 ms, Q8_0 0.74 against 0.75, Q4_1 1.40 against 0.78 on Q4_1R: 4096 x 4096, 2 threads
  * of this project's Xeon), 0.65x at 16; so int8 mode takes them here up to 4 rows, and
- * --quantized-activations auto keeps them on the exact paths. */
+ * --quantized-activations auto keeps them on the exact paths.
+ * On AVX512-VNNI the K types take qdot_gemm.c's panels from INT_GEMM_ROWS, and stay here:
+ * without AMX-INT8 (AMD Zen 4; RADIXFLOW_QUANT_AMX=0) at every row count (7B's layer shapes,
+ * one thread of this project's Xeon, AMX off: 2.1x the row kernels' speed at 16 rows, 2.8x /
+ * 2.6x / 2.5x the fp32 panel path's at 32 / 64 / 256); with it up to 63 rows, below the bf16
+ * pass (AMX on: 1.55x AMX-INT8's speed at 9 rows, 1.2x at 16, 1.1x at 32 and 63). */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
+#define INT_ROWS_K_GEMM (1 << 30)
+#define INT_ROWS_K_GEMM_AMX 63
 #define INT_ROWS_32 4
+/* rows from which AVX512-VNNI takes qdot_gemm.c's panels for the K types instead of the row
+ * kernels (which unpack a weight row per 4 rows of x): level at 5 rows, 1.3-1.5x at 8 */
+#define INT_GEMM_ROWS 5
+static int gemm_rows_set = 0;
+/* Rows from which the AVX512-VNNI integer path runs qdot_gemm.c's panels instead of the
+ * row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
+int rf_qset_int_gemm_rows(int rows) {
+    if (rows >= 0) gemm_rows_set = rows;
+    return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
+}
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
 static int int_rows_set = 0;
@@ -129,7 +146,10 @@ int rf_qset_int_rows(int rows) {
 
 static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
-    return idot_block(qtype) != 256 ? INT_ROWS_32 : amx_int ? INT_ROWS_K_AMX : INT_ROWS_K;
+    if (idot_block(qtype) != 256) return INT_ROWS_32;
+    const int gemm = rf_qset_int_isa(-1) == IDOT_VNNI512;
+    if (amx_int) return gemm ? INT_ROWS_K_GEMM_AMX : INT_ROWS_K_AMX;
+    return gemm ? INT_ROWS_K_GEMM : INT_ROWS_K;
 }
 
 static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,

@@ -338,6 +338,7 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
         s[m] = _mm512_reduce_add_ps(acc[m]) - _mm_cvtss_f32(t);
     }
 }
+#include "qdot_gemm.c" /* many rows: Q4_K, Q5_K, Q6_K panels unpacked once for vpdpbusd */
 #endif
 
 static inline __attribute__((always_inline)) void IF(row)(
@@ -361,6 +362,12 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     acts_t a;
     if (IF(acts)(x, M, ldx, K, idot_block(qtype), &a)) return -2;
 #ifdef IDOT_ZMM
+    if (idot_type(qtype) && idot_block(qtype) == 256 && M >= rf_qset_int_gemm_rows(-1)) {
+        const int status = IF(qlinear_gemm)(&a, M, w, N, row_bytes, qtype, bias, out, ldo,
+                                            threads);
+        free(a.q);
+        return status;
+    }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
 #endif
     /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same

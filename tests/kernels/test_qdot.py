@@ -7,7 +7,11 @@ and every row count it is taken for; and which calls take it."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,7 +178,8 @@ def test_amx_bf16_pass_from_its_threshold() -> None:
     err = (got - exact).abs().max().item()
     assert 1e-6 < err <= 4e-3 * exact.abs().max().item(), f"{err=}"
     below = native_quant.linear(x[:63], w, activations="int8")
-    assert_int8_near(below, quant.linear_int8(x[:63], w, block=32))
+    block = 256 if BEST == "avx512-vnni" else 32  # the integer panels, or AMX-INT8 tiles
+    assert_int8_near(below, quant.linear_int8(x[:63], w, block=block))
 
 
 def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
@@ -186,10 +191,100 @@ def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
     assert tiny[0, 0].item() != 0
     exact = native_quant.linear(tiny[:1], w, activations="fp32")
     assert exact is not None and exact.abs().max() > 0, "the exact path keeps denormals"
-    rows = [1, 64]
+    rows = [1, 8, 64]  # 8: qdot_gemm.c's panels on AVX512-VNNI
     if native_quant.set_amx_int_rows(-1):
-        rows.append(16)  # between the integer dot products' limit and the bf16 pass
-    for m in rows:
-        got = native_quant.linear(tiny[:m], w, activations="int8")
-        assert got is not None and torch.equal(got, torch.zeros_like(got)), f"{m} rows"
-        assert (tiny[:1] * 1.0)[0, 0].item() != 0, f"{m} rows left denormals flushed"
+        rows.append(16)  # AMX-INT8 tiles: the integer path held to 4 rows for it
+    try:
+        for m in rows:
+            native_quant.set_int_rows(4 if m == 16 else 0)
+            got = native_quant.linear(tiny[:m], w, activations="int8")
+            assert got is not None and torch.equal(got, torch.zeros_like(got)), f"{m} rows"
+            assert (tiny[:1] * 1.0)[0, 0].item() != 0, f"{m} rows left denormals flushed"
+    finally:
+        native_quant.set_int_rows(0)
+
+
+K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=quant.NAMES.get)
+def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
+    """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 11
+    16-feature panels, the last one of 5, in 3 chunks of 4 over 2 threads; rows 8 at
+    a time and a remainder; x in blocks of 256 rows at K = 4096: 300 = 256 + 44), from its
+    default threshold and from one row, with a bias into a wider out."""
+    n, k = 165, 4096
+    w = random_weight(qtype, n, k, seed=qtype)
+    gen = torch.Generator().manual_seed(9)
+    bias = torch.randn(n, generator=gen)
+    native_quant.set_int_rows(1 << 20)
+    default = native_quant.set_int_gemm_rows(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m in (1, 5, 8, 17, 64, 300):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+            expected = quant.linear_int8(x, w, bias)
+            for gemm_rows in (default, 1):
+                native_quant.set_int_gemm_rows(gemm_rows)
+                out = torch.full((m, n + 3), float("nan"))
+                native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="int8")
+                assert_int8_near(out[:, 1 : 1 + n], expected)
+                assert out[:, 0].isnan().all() and out[:, 1 + n :].isnan().all()
+    finally:
+        native_quant.set_int_gemm_rows(0)
+        torch.set_num_threads(threads)
+
+
+def test_with_amx_the_integer_path_stops_below_the_bf16_pass() -> None:
+    """AMX present, by default: a K type on the integer path (256-blocks of x) up to 63 rows
+    on AVX512-VNNI (its panels), 8 on a lower ISA (its row kernels), AMX-INT8 (32-blocks of
+    x) between; a 32-block type on AMX-INT8 from 5 rows."""
+    if native_quant.set_amx_int_rows(-1) == 0:
+        pytest.skip("no AMX-INT8 here")
+    w = random_weight(quant.Q4_K, 40, 512)
+    gen = torch.Generator().manual_seed(10)
+    cases = {"avx512-vnni": ((5, 256), (8, 256), (17, 256), (63, 256)), "avx2": ((8, 256), (9, 32))}
+    for isa, rows in cases.items():
+        native_quant.set_int_isa(isa)
+        try:
+            for m, block in rows:
+                x = torch.randn((m, 512), generator=gen)
+                expected = quant.linear_int8(x, w, block=block)
+                assert_int8_near(native_quant.linear(x, w, activations="int8"), expected)
+        finally:
+            native_quant.set_int_isa(BEST)
+    w32 = random_weight(quant.Q8_0, 40, 512)
+    x = torch.randn((5, 512), generator=gen)
+    got = native_quant.linear(x, w32, activations="int8")
+    assert_int8_near(got, quant.linear_int8(x, w32, block=32))
+
+
+NO_AMX = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from test_quant import random_weight
+from radixflow.kernels import quant
+from radixflow.kernels.cpu import quant as native_quant
+for m in (17, 64, 300):
+    w = random_weight(quant.Q6_K if m == 64 else quant.Q4_K, 40, 1024, seed=m)
+    x = torch.randn((m, 1024), generator=torch.Generator().manual_seed(m))
+    expected = quant.linear_int8(x, w)
+    err = (native_quant.linear(x, w, activations="int8") - expected).abs().max()
+    print(m, (err / expected.abs().max()).item())
+"""
+
+
+@pytest.mark.skipif(BEST != "avx512-vnni", reason="qdot_gemm.c is AVX512-VNNI's")
+def test_without_amx_the_integer_path_takes_many_rows() -> None:
+    """RADIXFLOW_QUANT_AMX=0 (a CPU without AMX, as AMD Zen 4): every row count of a K type
+    on the integer path, not the fp32 panels (5e-3 away), by default."""
+    env = {**os.environ, "RADIXFLOW_QUANT_AMX": "0"}
+    code = NO_AMX.format(here=str(Path(__file__).parent))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    lines = result.stdout.split("\n")[:-1]
+    assert len(lines) == 3, result.stderr[-2000:]
+    for line in lines:
+        assert float(line.split()[1]) <= 2e-6, line
