@@ -79,8 +79,10 @@ def decode_layout(
     if sliding_window:
         skip = (kv_indptr[1:] - kv_indptr[:-1] - sliding_window).clamp(min=0)
         kv_indptr, kv_indices = drop_leading(kv_indptr, kv_indices, skip)
-    batch = torch.arange(len(kv_indptr), device=kv_indptr.device)
-    shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
+    shared: tuple[SharedPrefix, ...] = ()
+    if len(kv_indptr) > 2:  # a shared run needs two requests: one stream skips the search
+        batch = torch.arange(len(kv_indptr), device=kv_indptr.device)
+        shared, skip = find_shared_prefixes(batch, kv_indptr, kv_indices)
     if shared:
         kv_indptr, kv_indices = drop_leading(kv_indptr, kv_indices, skip)
     starts = tuple(run_start(prefix.slots) for prefix in shared)
