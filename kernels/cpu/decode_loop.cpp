@@ -40,6 +40,8 @@ typedef int64_t (*RopeDecodeAttention)(float *, int64_t, const float *, const fl
 typedef int (*QLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
                        int64_t, int, const float *, const float *, float *, int64_t, int);
 
+#include "decode_team.h"
+
 /* x @ W^T from W's oneDNN pack, as runtime/models/prepack.py's `linear` does. */
 at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed) {
     static auto op =
@@ -84,19 +86,88 @@ at::Tensor quant_linear(const at::Tensor &x, const std::vector<at::Tensor> &part
 float *f32(const at::Tensor &t) { return t.data_ptr<float>(); }
 const int64_t *i64(const at::Tensor &t) { return t.data_ptr<int64_t>(); }
 
+/* the step's inputs: embeddings, rope tables, slots and the attention's runs */
+void team_inputs(TeamStep &s, const at::Tensor &hidden, const at::Tensor &cos,
+                 const at::Tensor &sin, const at::Tensor &slots, const at::Tensor &run_indptr,
+                 const at::Tensor &first, const at::Tensor &count) {
+    s.embed = f32(hidden), s.cos = f32(cos), s.sin = f32(sin), s.rotary = cos.size(-1);
+    s.slots = i64(slots), s.run_indptr = i64(run_indptr), s.first = i64(first);
+    s.count = i64(count);
+}
+
+/* every layer's norm weights and KV pools (and an int8 pool's scales) */
+void team_layer_weights(TeamStep &s, const std::vector<at::Tensor> &input_norms,
+                        const std::vector<at::Tensor> &post_norms,
+                        const std::vector<at::Tensor> &k_pools,
+                        const std::vector<at::Tensor> &v_pools,
+                        const std::vector<at::Tensor> &k_scales,
+                        const std::vector<at::Tensor> &v_scales) {
+    s.num_slots = k_pools.empty() ? 0 : k_pools[0].size(0);
+    for (size_t i = 0; i < k_pools.size(); i++) {
+        s.in_norms.push_back(f32(input_norms[i])), s.post_norms.push_back(f32(post_norms[i]));
+        s.k_pools.push_back(k_pools[i].data_ptr()), s.v_pools.push_back(v_pools[i].data_ptr());
+        if (s.kv_kind == 3) s.k_scales.push_back(f32(k_scales[i]));
+        if (s.kv_kind == 3) s.v_scales.push_back(f32(v_scales[i]));
+    }
+}
+
+/* The step on the team path (decode_team.h) when it takes it: rows <= 4 on more than one
+ * thread, every projection quantized ranges rf_qteam_linear takes, the layers' shapes alike,
+ * the attention small enough to be one thread's; fns[4..8] quant.c's rf_team_run,
+ * rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear. -> (mlp, residual,
+ * status) as decode_layers; status -5, nothing touched, where it does not take the step. */
+std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
+    TeamStep &s, const at::Tensor &hidden, const std::vector<std::vector<at::Tensor>> &projs,
+    const std::vector<std::vector<int64_t>> &metas, const std::vector<int64_t> &fns, int n) {
+    const std::tuple<at::Tensor, at::Tensor, int64_t> refused{hidden, at::Tensor(), -5};
+    if (fns.size() < 9 || n < 2 || s.rows > 4 || metas.empty() || metas[0].empty() ||
+        metas[2].empty() || attention_work(s) >= kAttentionSplit)
+        return refused;
+    s.run = reinterpret_cast<TeamRun>(fns[4]);
+    s.barrier = reinterpret_cast<TeamBarrier>(fns[5]);
+    s.thread = reinterpret_cast<TeamThread>(fns[6]);
+    auto takes = reinterpret_cast<QTeamTakes>(fns[7]);
+    s.linear = reinterpret_cast<QTeamLinear>(fns[8]);
+    s.qkv_n = out_features(metas[0]);
+    s.inter = out_features(metas[2]) / 2;
+    const int64_t ks[4] = {s.dim, s.q_size, s.dim, s.inter};
+    const int64_t ns[4] = {s.qkv_n, s.dim, 2 * s.inter, s.dim};
+    for (size_t j = 0; j < projs.size(); j++) {
+        const int p = j % 4;
+        if (out_features(metas[j]) != ns[p]) return refused;
+        s.projs.push_back(team_ranges(projs[j], metas[j], s.rows, ks[p], takes));
+        if (s.projs.back().empty()) return refused;
+    }
+    const auto options = hidden.options();
+    const int64_t rows = s.rows, dim = s.dim;
+    at::Tensor qkv = at::empty({rows, s.qkv_n}, options), attn = at::empty({rows, s.q_size}, options);
+    at::Tensor lse = at::empty({rows, s.num_heads}, options), o = at::empty({rows, dim}, options);
+    at::Tensor gate_up = at::empty({rows, 2 * s.inter}, options);
+    at::Tensor down = at::empty({rows, dim}, options), x = at::empty({n, rows, dim}, options);
+    at::Tensor sums = at::empty({n, 2, rows, dim}, options);
+    at::Tensor act = at::empty({n, rows, s.inter}, options);
+    s.qkv = f32(qkv), s.attn = f32(attn), s.lse = f32(lse), s.o = f32(o);
+    s.gate_up = f32(gate_up), s.down = f32(down), s.x = f32(x), s.sums = f32(sums);
+    s.act = f32(act), s.status = 0;
+    s.run(n, team_layers, &s);
+    if (s.status != 0) return {hidden, at::Tensor(), s.status};
+    return {down, sums[0][1], 0};  /* thread 0's residual: every thread's is the same */
+}
+
 }  // namespace
 
 /* The layers of a decode-only step. hidden (B, hidden) the embeddings; per layer (lists of
  * num_layers): the two norm weights, the four projections' oneDNN packs, the KV pools
  * (num_slots, Hkv, D); cos/sin (B, rotary) contiguous; slots (B,) this step's KV slots; runs
  * the native kernel's (run_indptr, first, count); fns the addresses of rf_rms_norm,
- * rf_silu_mul, rf_rope_decode_attention. -> (mlp, residual, status): the last layer's output
- * and residual (their sum is the final norm's input), and rf_rope_decode_attention's status
- * (0, or the layer's nonzero status: the loop stops there); -3, with nothing touched, for
+ * rf_silu_mul, rf_rope_decode_attention (then rf_qlinear and decode_team's). -> (mlp,
+ * residual, status, team): the last layer's output and residual (their sum is the final
+ * norm's input), rf_rope_decode_attention's status (0, or the layer's nonzero status: the
+ * loop stops there), and whether the team path ran the step; -3, with nothing touched, for
  * inputs it does not take (hidden not contiguous fp32, pools not contiguous and all fp32 or
  * all bf16 or all fp16 or all int8 with k_scales, v_scales: --kv-cache-dtype's pools are
  * read and written by the native attention; the scale lists are empty for the others). */
-std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
+std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
     const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
     const std::vector<std::vector<int64_t>> &metas, const std::vector<at::Tensor> &k_pools,
@@ -110,23 +181,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
     if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf &&
         kv_type != at::kChar)
-        return {hidden, at::Tensor(), -3};
+        return {hidden, at::Tensor(), -3, false};
     const int kv_kind = kv_type == at::kChar       ? 3
                         : kv_type == at::kBFloat16 ? 1
                         : kv_type == at::kHalf     ? 2
                                                    : 0;
     const bool scaled = kv_kind == 3;  /* int8: each layer's scales (num_slots, Hkv) fp32 */
     if (scaled && (k_scales.size() != k_pools.size() || v_scales.size() != v_pools.size()))
-        return {hidden, at::Tensor(), -3};
+        return {hidden, at::Tensor(), -3, false};
     for (size_t i = 0; plain && i < k_pools.size(); i++)
         if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
             k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type ||
             (scaled && (!k_scales[i].is_contiguous() || !v_scales[i].is_contiguous() ||
                         k_scales[i].scalar_type() != at::kFloat ||
                         v_scales[i].scalar_type() != at::kFloat)))
-            return {hidden, at::Tensor(), -3};
+            return {hidden, at::Tensor(), -3, false};
     if (!plain || 4 * k_pools.size() != projs.size() || projs.size() != metas.size())
-        return {hidden, at::Tensor(), -3};
+        return {hidden, at::Tensor(), -3, false};
     auto rms_norm = reinterpret_cast<RmsNorm>(fns.at(0));
     auto silu_mul = reinterpret_cast<SiluMul>(fns.at(1));
     auto attention = reinterpret_cast<RopeDecodeAttention>(fns.at(2));
@@ -134,6 +205,16 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
     const int64_t rows = hidden.size(0), dim = hidden.size(1), q_size = num_heads * head_dim;
     const auto options = hidden.options();
     const int n = static_cast<int>(threads);
+    TeamStep team{};
+    team.rms_norm = rms_norm, team.silu_mul = silu_mul, team.attention = attention;
+    team.rows = rows, team.dim = dim, team.q_size = q_size, team.num_heads = num_heads;
+    team.num_kv_heads = num_kv_heads, team.head_dim = head_dim, team.eps = (float)eps;
+    team.scale = (float)scale, team.kv_kind = kv_kind;
+    team_inputs(team, hidden, cos, sin, slots, run_indptr, first, count);
+    team_layer_weights(team, input_norms, post_norms, k_pools, v_pools, k_scales, v_scales);
+    auto teamed = decode_team(team, hidden, projs, metas, fns, n);
+    if (std::get<2>(teamed) != -5) return {std::get<0>(teamed), std::get<1>(teamed),
+                                           std::get<2>(teamed), true};
     at::Tensor residual;
     /* The step's buffers, made once and reused by every layer (a layer's 11 allocations cost
      * about 2% of a single-stream step): the norms' outputs, the two residual sums (the one
@@ -167,29 +248,29 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_layers(
                      nullptr, f32(x), n);
         }
         at::Tensor qkv = project(x, i, 0);
-        if (!qkv.defined()) return {hidden, residual, -4};
+        if (!qkv.defined()) return {hidden, residual, -4, false};
         int64_t status = attention(
             f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), k_pools[i].data_ptr(),
             v_pools[i].data_ptr(), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
             (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_kind,
             scaled ? f32(k_scales[i]) : nullptr, scaled ? f32(v_scales[i]) : nullptr);
-        if (status != 0) return {hidden, residual, status};
+        if (status != 0) return {hidden, residual, status, false};
         at::Tensor projected = project(attn, i, 1);
-        if (!projected.defined()) return {hidden, residual, -4};
+        if (!projected.defined()) return {hidden, residual, -4, false};
         const at::Tensor &sum = sums[1];
         rms_norm(f32(projected), dim, f32(hidden), dim, f32(post_norms[i]), (float)eps, rows, dim,
                  f32(sum), f32(x), n);
         at::Tensor gate_up = project(x, i, 2);
-        if (!gate_up.defined()) return {hidden, residual, -4};
+        if (!gate_up.defined()) return {hidden, residual, -4, false};
         const int64_t inter = gate_up.size(1) / 2;
         if (!act.defined() || act.size(1) != inter) act = at::empty({rows, inter}, options);
         silu_mul(f32(gate_up), gate_up.stride(0), rows, inter, f32(act), n);
         residual = sum;
         hidden = project(act, i, 3);
-        if (!hidden.defined()) return {hidden, residual, -4};
+        if (!hidden.defined()) return {hidden, residual, -4, false};
     }
-    return {hidden, residual, 0};
+    return {hidden, residual, 0, false};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

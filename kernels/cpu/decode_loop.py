@@ -14,6 +14,11 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
   model (Llama and SmolLM2 qualify; so does Mistral without its window), and
   `DecodeLoop.run` returns None for a step it does not take (shared prefixes to merge, too
   few rows for the packs): the layers then run in Python.
+- A step of 1-4 rows on more than one thread, its projections all quantized ranges on the
+  exact fused path, takes the team path (`kernels/cpu/decode_team.h`): the whole step in one
+  OpenMP parallel region, each projection's output rows shared by the threads, a barrier
+  where one call's output is the next one's input, instead of a parallel region (fork and
+  join) per call; the same kernels on the same sums, so the same bits.
 - Built once per machine into `RADIXFLOW_CACHE/decode_loop` (about 30 s, at model load);
   where it cannot be built (no C++ compiler, ninja or torch headers) it is off, with a log
   line. `RADIXFLOW_DECODE_LOOP=0` turns it off; so does `--disable-cpu-decode-loop`.
@@ -41,7 +46,11 @@ from radixflow.kernels.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_loop.cpp")
+HEADERS = [Path(__file__).with_name("decode_team.h")]  # included by SOURCE: in the build key
 _state: dict[str, Any] = {}
+TEAM_FUNCTIONS = (
+    "rf_team_run", "rf_team_barrier", "rf_team_thread", "rf_qteam_takes", "rf_qteam_linear",
+)  # fmt: skip
 _lock = threading.Lock()
 
 
@@ -60,7 +69,8 @@ def _load() -> Any | None:
     try:
         from torch.utils import cpp_extension  # noqa: PLC0415 (slow import: only when the extension is built)
 
-        key = hashlib.sha256(f"{SOURCE.read_text()}\0{torch.__version__}".encode()).hexdigest()
+        texts = "\0".join(p.read_text() for p in [SOURCE, *HEADERS])
+        key = hashlib.sha256(f"{texts}\0{torch.__version__}".encode()).hexdigest()
         root = Path(os.environ.get("RADIXFLOW_CACHE") or Path.home() / ".cache" / "radixflow")
         build = root / "decode_loop" / key[:16]
         build.mkdir(parents=True, exist_ok=True)
@@ -111,7 +121,7 @@ class DecodeLoop:
         if not (cos.is_contiguous() and sin.is_contiguous() and slots.dtype == torch.int64):
             return None
         pools = _pool_lists(k_layers, v_layers)
-        mlp, residual, status = self.ext.decode_layers(
+        mlp, residual, status, _team = self.ext.decode_layers(
             hidden, *self.weights, pools[0], pools[1], cos, sin, slots.contiguous(),
             *layout.runs, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
             self.eps, self.fns, torch.get_num_threads(), pools[2], pools[3],
@@ -205,6 +215,9 @@ def build(model: Any) -> DecodeLoop | None:
         if qlinear is None:
             return None
         fns.append(qlinear)
+        # the team path's (kernels/cpu/decode_team.h): a step of 1-4 rows in one parallel region
+        team = [native_quant.address(name) for name in TEAM_FUNCTIONS]
+        fns += team if all(team) else []
     layers = model.layers
     weights = (
         [layer.input_norm.detach() for layer in layers],

@@ -49,6 +49,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define QUANT_X86 1
@@ -135,6 +138,8 @@ static inline void scale_min_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) 
  * rf_qset_fused_split set it; 0 for FUSED_SPLIT */
 #define FUSED_SPLIT (1 << 22) /* about 50 us of work */
 static int64_t fused_split_set = 0;
+
+#define TEAM_MAX_K 32768 /* longest row a team call takes (its block sums on the stack) */
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -321,4 +326,81 @@ int rf_qget_rows(const uint8_t *w, int64_t row_bytes, int64_t K, int qtype, cons
     default: gather_base(w, row_bytes, K, qtype, scale, ids, n, out, threads);
     }
     return 0;
+}
+
+/* ---- a team: one OpenMP parallel region around a sequence of small calls ----
+ * A decode step of a small model is some 240 calls of 1-20 us each; a parallel region per
+ * call costs its fork and join every time (and leaves the calls too small to split on one
+ * thread). The C++ decode loop instead runs a whole step in one region (rf_team_run): every
+ * thread walks the same layers, shares each projection's rows (rf_qteam_linear), and waits at
+ * rf_team_barrier where one output is the next call's input. Without OpenMP a team is the
+ * calling thread alone and the barrier does nothing. */
+
+/* fn(ctx) on each of `threads` threads (the caller's OpenMP team), returning when all have */
+void rf_team_run(int threads, void (*fn)(void *), void *ctx) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    fn(ctx);
+}
+
+/* inside rf_team_run: wait for the team's other threads */
+void rf_team_barrier(void) {
+#pragma omp barrier
+}
+
+/* inside rf_team_run: this thread's number (0 the caller's) and the team's size */
+int rf_team_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* 1 where rf_qteam_linear takes an rf_qlinear call of these arguments (qtype with its
+ * activation flags): the exact fused path (fp32 activations, a type with a fused kernel for
+ * M rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
+int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const float *scale) {
+    const int acts = qtype & (RF_FP32_ACTS | RF_INT8_ACTS);
+    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
+    if (!valid(qtype, K, row_bytes, scale) || scale || M < 1 || K > TEAM_MAX_K) return 0;
+#ifdef QUANT_X86
+    const int mode = rf_qset_activations(-1), k_type = qtype == Q4_K || qtype == Q5_K ||
+                                                       qtype == Q6_K;
+    if (acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type)) return 0;
+    switch (isa()) {
+    case ISA_AVX512: return M <= fused_rows_avx512(qtype);
+    case ISA_AVX2: return M <= fused_rows_avx2(qtype);
+    }
+#else
+    (void)acts;
+#endif
+    return M <= fused_rows_base(qtype);
+}
+
+/* rf_qlinear(..., threads) of a call rf_qteam_takes, by every thread of an rf_team_run,
+ * each computing a share of the N output rows; no wait at the end (rf_team_barrier) */
+void rf_qteam_linear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
+                     int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
+                     int64_t ldo) {
+    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
+    const int nt = team_size();
+    switch (isa()) {
+#ifdef QUANT_X86
+    case ISA_AVX512:
+        qlinear_team_avx512(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        return;
+    case ISA_AVX2:
+        qlinear_team_avx2(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        return;
+#endif
+    default: qlinear_team_base(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+    }
 }

@@ -74,6 +74,12 @@ SIGNATURES = {
     "rf_qset_amx_int_rows": (_C, [_C]),
     "rf_qset_amx_bf16_rows": (_C, [_C]),
     "rf_qquantize_acts": (_C, [_P, _I, _I, _I, _C, _P, _P]),
+    # the team (called from the C++ decode loop by address): see quant.c
+    "rf_team_run": (None, [_C, _P, _P]),
+    "rf_team_barrier": (None, []),
+    "rf_team_thread": (_C, []),
+    "rf_qteam_takes": (_C, [_I, _I, _C, _I, _P]),
+    "rf_qteam_linear": (None, [_P, _I, _I, _I, _P, _I, _I, _C, _P, _P, _I]),
 }
 ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 INT_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # rf_qset_int_isa's levels 0, 1, 2

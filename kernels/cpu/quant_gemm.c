@@ -80,15 +80,11 @@ static void FN(panel)(const float *x, int64_t M, int64_t ldx, int64_t K, const f
 
 /* ---- the fused path ---- */
 
-static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
-                             const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
-                             const float *bias, float *out, int64_t ldo, int threads) {
-    const int64_t nb = K / 32;
-    /* x's sums over 32: xs[m nb + b] for the K types, and for Q4_0 and Q4_1 as pairs
-     * (-8 sum, 0) and (0, sum) at xs[2 (m nb + b)], fused_row's against a block's (d, m) */
+/* x's sums over 32 into xs: xs[m nb + b] for the K types and Q4_1R, and for Q4_0 and Q4_1 as
+ * pairs (-8 sum, 0) and (0, sum) at xs[2 (m nb + b)], fused_row's against a block's (d, m) */
+static void FN(block_sums)(const float *x, int64_t M, int64_t ldx, int64_t nb, int qtype,
+                           float *xs) {
     const int pairs = qtype == Q4_0 || qtype == Q4_1;
-    float *xs = malloc((size_t)(M * nb * (pairs ? 2 : 1)) * sizeof(float) + 8);
-    if (!xs) return -2;
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + b * 32;
@@ -101,6 +97,45 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
                 xs[2 * (m * nb + b)] = qtype == Q4_0 ? -8.f * sum : 0.f,
                 xs[2 * (m * nb + b) + 1] = qtype == Q4_1 ? sum : 0.f;
         }
+}
+
+/* out[:, r .. end] of the fused path: each weight row dotted in place against x's M rows */
+static void FN(fused_range)(const float *x, int64_t M, int64_t ldx, int64_t K, const float *xs,
+                            const uint8_t *w, int64_t r, int64_t end, int64_t row_bytes,
+                            int qtype, const float *bias, float *out, int64_t ldo) {
+    float s[FUSED_ROWS];
+    if (M == 1 && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0))
+        for (; r + 2 <= end; r += 2) {
+            FN(fused_pair)(x, K, xs, w + r * row_bytes, row_bytes, qtype, s);
+            out[r] = bias ? s[0] + bias[r] : s[0];
+            out[r + 1] = bias ? s[1] + bias[r + 1] : s[1];
+        }
+    for (; r < end; r++) {
+        const uint8_t *p = w + r * row_bytes;
+        switch (M) {
+        case 4: FN(fused_any)(4, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+        case 3: FN(fused_any)(3, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+        case 2: FN(fused_any)(2, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+        default: FN(fused_any)(1, x, ldx, K, xs, p, row_bytes, qtype, s); break;
+        }
+        for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
+    }
+}
+
+/* the fused path's chunk of output rows for nt threads: several a thread, handed out
+ * dynamically, so the others take the share of a thread another process preempts */
+static inline int64_t FN(fused_chunk)(int64_t N, int nt) {
+    return N / (8 * nt) > 4 ? N / (8 * nt) : 4;
+}
+
+static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
+                             const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                             const float *bias, float *out, int64_t ldo, int threads) {
+    const int64_t nb = K / 32;
+    const int pairs = qtype == Q4_0 || qtype == Q4_1;
+    float *xs = malloc((size_t)(M * nb * (pairs ? 2 : 1)) * sizeof(float) + 8);
+    if (!xs) return -2;
+    FN(block_sums)(x, M, ldx, nb, qtype, xs);
     /* split only a call of about 50 us or more: each split call wakes the sleeping OpenMP
      * worker, which costs tens of us. At one row this leaves SmolLM2's qkv and o projections
      * on one thread and splits gate_up, down and the head. With every call split a step took
@@ -108,33 +143,36 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
      * step measured 5% faster than from 100 us without it (2026-12-03, 2 runs each). */
     int64_t work = N * K * (M + 4) / (fused_split_set ? fused_split_set : FUSED_SPLIT) + 1;
     int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
-    int64_t chunk = N / (8 * nt) > 4 ? N / (8 * nt) : 4; /* dynamic: a preempted thread's
-                                                              share goes to the others */
-    int64_t chunks = (N + chunk - 1) / chunk;
+    const int64_t chunk = FN(fused_chunk)(N, nt), chunks = (N + chunk - 1) / chunk;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t c = 0; c < chunks; c++) {
-        float s[FUSED_ROWS];
-        int64_t r = c * chunk;
         const int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        if (M == 1 && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0))
-            for (; r + 2 <= end; r += 2) {
-                FN(fused_pair)(x, K, xs, w + r * row_bytes, row_bytes, qtype, s);
-                out[r] = bias ? s[0] + bias[r] : s[0];
-                out[r + 1] = bias ? s[1] + bias[r + 1] : s[1];
-            }
-        for (; r < end; r++) {
-            const uint8_t *p = w + r * row_bytes;
-            switch (M) {
-            case 4: FN(fused_any)(4, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            case 3: FN(fused_any)(3, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            case 2: FN(fused_any)(2, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            default: FN(fused_any)(1, x, ldx, K, xs, p, row_bytes, qtype, s); break;
-            }
-            for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
-        }
+        FN(fused_range)(x, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias, out, ldo);
     }
     free(xs);
     return 0;
+}
+
+/* The fused path from inside rf_team_run's parallel region, called by every thread of the
+ * team: the output rows shared out in chunks, each thread with its own block
+ * sums of x (on its stack: K <= TEAM_MAX_K, checked by rf_qteam_takes). No barrier at the
+ * end (nowait): the caller waits once after the ranges of a projection. */
+static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
+                             const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                             const float *bias, float *out, int64_t ldo, int nt) {
+    float xs[2 * FUSED_ROWS * TEAM_MAX_K / 32];
+    FN(block_sums)(x, M, ldx, K / 32, qtype, xs);
+    /* two chunks a thread, not qlinear_fused's eight: a thread streams longer runs of rows
+     * (its prefetches run ahead within a chunk), and one stolen chunk still evens out a
+     * thread preempted late. SmolLM2, one row, 2 threads, the layers of a step: 3.75 ms
+     * against 3.92 ms with eight (medians of 30 alternations, loaded machine); one chunk a
+     * thread 3.74 ms. */
+    const int64_t chunk = N / (2 * nt) > 4 ? N / (2 * nt) : 4, chunks = (N + chunk - 1) / chunk;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
+        FN(fused_range)(x, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias, out, ldo);
+    }
 }
 
 /* Few rows: the fused path where the type has a kernel for M rows, else the decode path */

@@ -118,3 +118,52 @@ def test_models_it_does_not_serve_get_none(model, monkeypatch) -> None:
     for change in ({"attn_logit_cap": 30.0}, {"qk_norm": True}, {"head_dim": 40}):
         monkeypatch.setattr(model, "config", dataclasses.replace(model.config, **change))
         assert decode_loop.build(model) is None
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_team_steps_give_the_python_layers_logits_bit_for_bit(engine, model, monkeypatch, streams):
+    """1-4 streams on two threads take the team path (a whole step in one parallel region,
+    kernels/cpu/decode_team.h): every decode step, run first through the Python layers and then
+    through the loop on the same inputs, gives the same logits bit for bit, and every one of
+    them went through the team."""
+    loop = model.decode_loop
+    teamed: list[bool] = []
+    layers = loop.ext.decode_layers
+
+    def recording(*args):
+        out = layers(*args)
+        teamed.append(out[3])
+        return out
+
+    monkeypatch.setattr(loop.ext, "decode_layers", recording)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = type(model).forward
+
+    def both(self, batch, *args):
+        if batch.num_extend_tokens:
+            return forward(self, batch, *args)
+        self.decode_loop = None
+        try:
+            python = forward(self, batch, *args).clone()
+        finally:
+            self.decode_loop = loop
+        looped = forward(self, batch, *args)
+        pairs.append((python, looped.clone()))
+        return looped
+
+    monkeypatch.setattr(type(model), "forward", both)
+    # the team splits over threads (one thread keeps the per-call path): two, held while the
+    # test runs (`--num-threads auto`'s governor drops one on a busy machine)
+    monkeypatch.setattr(engine.scheduler.runner, "governor", None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompts = [f"Count from {i} to {i + 5}:" for i in range(streams)]
+        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        engine.flush_cache()
+        engine.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(pairs) == 7 and teamed == [True] * 7
+    for python, looped in pairs:
+        assert torch.equal(python, looped)

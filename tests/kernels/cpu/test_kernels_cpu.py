@@ -364,6 +364,25 @@ def test_slot_runs() -> None:
     assert runs == [[(5, 3)], [], [(8, 2), (20, 2)], [(2, 1)]]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_host_run_table_is_the_torch_one(seed: int) -> None:
+    """The host's numpy run table (what a CPU step uses) gives the torch ops' integers, dtypes
+    and shapes: empty requests, runs across request borders, scattered and repeated slots."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 40, (7,), generator=gen)
+    lens[seed % 7] = 0
+    total = int(lens.sum())
+    slots = torch.randint(0, 50, (total,), generator=gen, dtype=torch.int32)
+    slots[: total // 2] = torch.arange(total // 2, dtype=torch.int32) + 100  # long runs
+    kv_indptr = indptr(lens.tolist())
+    host = cpu_decode_layout.run_table(kv_indptr, slots)
+    device = cpu_decode_layout._device_run_table(kv_indptr, slots)
+    for got, want in zip(host, device, strict=True):
+        assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
+    empty = cpu_decode_layout.run_table(indptr([0, 0]), slots[:0])
+    assert [t.tolist() for t in empty] == [[0, 0, 0], [], []]
+
+
 def test_find_shared_prefixes_nested_runs() -> None:
     """The finder reports each run once with the query rows behind it, nested runs after
     their parent, and how many leading keys of each request the runs cover."""

@@ -1,0 +1,124 @@
+/* The decode loop's team path (included by decode_loop.cpp): the layers of a step of 1-4
+ * rows in ONE OpenMP parallel region (quant.c's rf_team_run) instead of a region per call.
+ *
+ * Why: at one row a SmolLM2 layer is 8 calls of 1-20 us, and a parallel region per call pays
+ * its fork and join each time, so the small projections (qkv, o) were left on one thread. In
+ * the team every thread walks the same layers: the projections' output rows are shared out
+ * (rf_qteam_linear), the attention runs on thread 0 (one thread is its own choice at these
+ * sizes: `takes` checks), and the norms and SiLU, a few hundred floats, run on every thread
+ * into its own buffers, so that no barrier is spent on them. Same kernels, same sums per
+ * output: the same bits as the per-call path. */
+
+typedef void (*TeamRun)(int, void (*)(void *), void *);
+typedef void (*TeamBarrier)();
+typedef int (*TeamThread)();
+typedef int (*QTeamTakes)(int64_t, int64_t, int, int64_t, const float *);
+typedef void (*QTeamLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
+                            int64_t, int, const float *, float *, int64_t);
+
+/* native.c's ATTENTION_SPLIT: keys x query heads x head_dim under which the attention runs on
+ * one thread whatever it is given; the team takes only such steps, so none runs slower */
+constexpr int64_t kAttentionSplit = 1 << 19;
+
+struct Range {  /* one quantized row range of a projection: rf_qlinear's arguments */
+    const uint8_t *w;
+    int64_t rows, row_bytes;
+    int qtype;
+};
+
+struct TeamStep {
+    TeamRun run;
+    TeamBarrier barrier;
+    TeamThread thread;
+    QTeamLinear linear;
+    RmsNorm rms_norm;
+    SiluMul silu_mul;
+    RopeDecodeAttention attention;
+    int64_t rows, dim, q_size, inter, qkv_n, num_heads, num_kv_heads, head_dim;
+    float eps, scale;
+    int kv_kind;
+    const float *embed, *cos, *sin;
+    int64_t rotary;
+    const int64_t *slots, *run_indptr, *first, *count;
+    std::vector<const float *> in_norms, post_norms;
+    std::vector<std::vector<Range>> projs;  /* 4 a layer: qkv, o, gate_up, down */
+    std::vector<void *> k_pools, v_pools;
+    std::vector<float *> k_scales, v_scales;  /* empty but for int8 pools */
+    int64_t num_slots;
+    /* shared: the projections' outputs and the attention's; per thread: x, 2 sums, act */
+    float *qkv, *attn, *lse, *o, *gate_up, *down, *x, *sums, *act;
+    int64_t status;  /* the attention's, written by thread 0 before a barrier */
+};
+
+/* x @ W^T of one projection's ranges (each its own columns of out), by the whole team */
+void team_project(const TeamStep &s, const std::vector<Range> &ranges, const float *in,
+                  int64_t k, float *out, int64_t ldo) {
+    int64_t offset = 0;
+    for (const Range &r : ranges) {
+        s.linear(in, s.rows, k, k, r.w, r.rows, r.row_bytes, r.qtype, nullptr, out + offset,
+                 ldo);
+        offset += r.rows;
+    }
+    s.barrier();
+}
+
+/* thread 0: layer i's rope, K/V store and attention; every thread: its status */
+int64_t team_attention(TeamStep &s, size_t i) {
+    if (s.thread() == 0) {
+        const bool scaled = s.kv_kind == 3;
+        s.status = s.attention(
+            s.qkv, s.qkv_n, s.cos, s.sin, s.rotary, s.k_pools[i], s.v_pools[i], s.num_slots,
+            s.slots, s.run_indptr, s.first, s.count, (int)s.rows, (int)s.num_kv_heads,
+            (int)(s.num_heads / s.num_kv_heads), (int)s.head_dim, s.scale, 0.f, s.attn, s.lse,
+            1, s.kv_kind, scaled ? s.k_scales[i] : nullptr, scaled ? s.v_scales[i] : nullptr);
+    }
+    s.barrier();
+    return s.status;
+}
+
+/* one thread of the team: every layer, as decode_layers' per-call loop does them */
+void team_layers(void *ctx) {
+    TeamStep &s = *static_cast<TeamStep *>(ctx);
+    const int t = s.thread();
+    const int64_t rows = s.rows, dim = s.dim;
+    float *x = s.x + t * rows * dim, *act = s.act + t * rows * s.inter;
+    float *sum0 = s.sums + 2 * t * rows * dim, *sum1 = sum0 + rows * dim;
+    const float *hidden = s.embed;
+    for (size_t i = 0; i < s.in_norms.size(); i++) {
+        if (i == 0)
+            s.rms_norm(hidden, dim, nullptr, 0, s.in_norms[i], s.eps, rows, dim, nullptr, x, 1);
+        else  /* the previous layer's residual add, in the norm's pass */
+            s.rms_norm(s.down, dim, sum1, dim, s.in_norms[i], s.eps, rows, dim, sum0, x, 1);
+        if (i > 0) hidden = sum0;
+        team_project(s, s.projs[4 * i], x, dim, s.qkv, s.qkv_n);
+        if (team_attention(s, i) != 0) return;
+        team_project(s, s.projs[4 * i + 1], s.attn, s.q_size, s.o, dim);
+        s.rms_norm(s.o, dim, hidden, dim, s.post_norms[i], s.eps, rows, dim, sum1, x, 1);
+        team_project(s, s.projs[4 * i + 2], x, dim, s.gate_up, 2 * s.inter);
+        s.silu_mul(s.gate_up, 2 * s.inter, rows, s.inter, act, 1);
+        team_project(s, s.projs[4 * i + 3], act, s.inter, s.down, dim);
+    }
+}
+
+/* the ranges of one projection from decode_layers' (parts, meta); empty where a range is
+ * not one rf_qteam_linear takes at `rows` rows of `k` */
+std::vector<Range> team_ranges(const std::vector<at::Tensor> &parts,
+                               const std::vector<int64_t> &meta, int64_t rows, int64_t k,
+                               QTeamTakes takes) {
+    std::vector<Range> ranges;
+    for (size_t j = 0; j + 2 < meta.size(); j += 3) {
+        const at::Tensor &scale = parts[2 * (j / 3) + 1];
+        const float *s = scale.numel() ? scale.data_ptr<float>() : nullptr;
+        if (!takes(rows, k, (int)meta[j], meta[j + 2], s)) return {};
+        ranges.push_back({parts[2 * (j / 3)].data_ptr<uint8_t>(), meta[j + 1], meta[j + 2],
+                          (int)meta[j]});
+    }
+    return ranges;
+}
+
+/* keys x query heads x head_dim of the step's attention (its runs' key counts) */
+int64_t attention_work(const TeamStep &s) {
+    int64_t keys = 0;
+    for (int64_t r = 0; r < s.run_indptr[s.rows]; r++) keys += s.count[r];
+    return keys * s.num_heads * s.head_dim;
+}
