@@ -237,15 +237,22 @@ int64_t rf_qset_fused_split(int64_t work) {
     return fused_split_set ? fused_split_set : FUSED_SPLIT;
 }
 
-/* qtype may carry RF_FP32_ACTS (the exact path: fp32 activations) or RF_INT8_ACTS (the
- * integer path where it applies: qdot.c); with neither, rf_qset_activations's default. */
+/* qtype may carry RF_FP32_ACTS (the exact path: fp32 activations and fp32 sums throughout),
+ * RF_TILES_ACTS (fp32 activations; from rf_qset_amx_rows rows the bf16x3 tile products,
+ * within a few 1e-6 of the exact sums: `auto`'s choice for the 32-block types) or
+ * RF_INT8_ACTS (the integer path where it applies: qdot.c); with none, rf_qset_activations's
+ * default (its fp32 mode takes the tiles, as RF_TILES_ACTS). Why two fp32 flags: through a
+ * model the tiles' error grows, past 1e-4 of the logits in small random ones, and the
+ * explicit exact mode promises that bound. */
 #define RF_FP32_ACTS 0x10000
 #define RF_INT8_ACTS 0x20000
+#define RF_TILES_ACTS 0x40000
+#define RF_ACTS (RF_FP32_ACTS | RF_INT8_ACTS | RF_TILES_ACTS)
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
-    const int acts = qtype & (RF_FP32_ACTS | RF_INT8_ACTS);
-    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
+    const int acts = qtype & RF_ACTS;
+    qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
     if (M == 0 || N == 0) return 0;
     int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
@@ -284,7 +291,8 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:
-        if (M >= rf_qset_amx_rows(-1) && rf_qset_amx_rows(-1) > 0 && K % 32 == 0)
+        if (acts != RF_FP32_ACTS && M >= rf_qset_amx_rows(-1) && rf_qset_amx_rows(-1) > 0 &&
+            K % 32 == 0)
             return qlinear_amx(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo,
                                threads, 1);
         if (M >= rows)
@@ -368,8 +376,8 @@ static int team_size(void) {
  * activation flags): the exact fused path (fp32 activations, a type with a fused kernel for
  * M rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
 int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const float *scale) {
-    const int acts = qtype & (RF_FP32_ACTS | RF_INT8_ACTS);
-    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
+    const int acts = qtype & RF_ACTS;
+    qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || scale || M < 1 || K > TEAM_MAX_K) return 0;
 #ifdef QUANT_X86
     const int mode = rf_qset_activations(-1), k_type = qtype == Q4_K || qtype == Q5_K ||
@@ -390,7 +398,7 @@ int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const flo
 void rf_qteam_linear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                      int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
                      int64_t ldo) {
-    qtype &= ~(RF_FP32_ACTS | RF_INT8_ACTS);
+    qtype &= ~RF_ACTS;
     const int nt = team_size();
     switch (isa()) {
 #ifdef QUANT_X86

@@ -262,6 +262,20 @@ def test_amx_path_is_taken_from_its_threshold(amx: None) -> None:
     assert_near(tiles, quant.linear(x, w))
 
 
+def test_explicit_exact_mode_never_takes_the_tiles(amx: None) -> None:
+    """`activations="fp32"` (--quantized-activations fp32) keeps fp32 sums at every row count
+    (the tiles' few 1e-6 a matmul grow past the 1e-4 it promises through a model); `auto`'s
+    choice for a 32-block type ("fp32-tiles") takes the bf16x3 tiles from the threshold."""
+    w = random_weight(quant.Q4_1, 64, 512)
+    x = torch.randn((40, 512), generator=torch.Generator().manual_seed(7))
+    exact, tiles = (native_quant.linear(x, w, activations=a) for a in ("fp32", "fp32-tiles"))
+    assert torch.equal(native_quant.linear(x, w, activations="auto"), tiles)
+    native_quant.set_amx_rows(1 << 30)
+    panels = native_quant.linear(x, w)
+    assert torch.equal(exact, panels), "fp32: the panel path, not the tiles"
+    assert not torch.equal(tiles, panels), "fp32-tiles: the tiles"
+
+
 def test_set_panel_rows_moves_the_threshold(panel: None) -> None:
     assert native_quant.set_panel_rows(-1) == 1
     assert native_quant.set_panel_rows(40) == 40
