@@ -42,6 +42,28 @@ def counted(monkeypatch, loop) -> list[int | None]:
     return calls
 
 
+def both_paths(monkeypatch, model, loop) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every decode step of `model` run through the Python layers and then through `loop`
+    (the loop's result returned): -> the (python, looped) logits, filled as steps run."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = type(model).forward
+
+    def both(self, batch, *args):
+        if batch.num_extend_tokens:
+            return forward(self, batch, *args)
+        self.decode_loop = None
+        try:
+            python = forward(self, batch, *args).clone()
+        finally:
+            self.decode_loop = loop
+        looped = forward(self, batch, *args)
+        pairs.append((python, looped.clone()))
+        return looped
+
+    monkeypatch.setattr(type(model), "forward", both)
+    return pairs
+
+
 def test_smollm2_qualifies(model) -> None:
     loop = model.decode_loop
     # four projections a layer, each its quantized ranges (SmolLM2 loads from its GGUF blocks)
@@ -60,22 +82,7 @@ def test_decode_steps_give_the_python_layers_logits_bit_for_bit(engine, model, m
     (dense sgemm, AMX), so under load the two generations' caches could differ in last digits
     (seen in CI) while the loop was right."""
     loop = model.decode_loop
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    forward = type(model).forward
-
-    def both(self, batch, *args):
-        if batch.num_extend_tokens:
-            return forward(self, batch, *args)
-        self.decode_loop = None
-        try:
-            python = forward(self, batch, *args).clone()
-        finally:
-            self.decode_loop = loop
-        looped = forward(self, batch, *args)
-        pairs.append((python, looped.clone()))
-        return looped
-
-    monkeypatch.setattr(type(model), "forward", both)
+    pairs = both_paths(monkeypatch, model, loop)
     calls = counted(monkeypatch, loop)
     prompts = [f"Describe the number {i} in one line:" for i in range(5)]
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -136,22 +143,7 @@ def test_team_steps_give_the_python_layers_logits_bit_for_bit(engine, model, mon
         return out
 
     monkeypatch.setattr(loop.ext, "decode_layers", recording)
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    forward = type(model).forward
-
-    def both(self, batch, *args):
-        if batch.num_extend_tokens:
-            return forward(self, batch, *args)
-        self.decode_loop = None
-        try:
-            python = forward(self, batch, *args).clone()
-        finally:
-            self.decode_loop = loop
-        looped = forward(self, batch, *args)
-        pairs.append((python, looped.clone()))
-        return looped
-
-    monkeypatch.setattr(type(model), "forward", both)
+    pairs = both_paths(monkeypatch, model, loop)
     # the team splits over threads (one thread keeps the per-call path): two, held while the
     # test runs (`--num-threads auto`'s governor drops one on a busy machine)
     monkeypatch.setattr(engine.scheduler.runner, "governor", None)
