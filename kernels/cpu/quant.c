@@ -247,11 +247,18 @@ int64_t rf_qset_fused_split(int64_t work) {
 #define RF_FP32_ACTS 0x10000
 #define RF_INT8_ACTS 0x20000
 #define RF_TILES_ACTS 0x40000
-#define RF_ACTS (RF_FP32_ACTS | RF_INT8_ACTS | RF_TILES_ACTS)
+#define RF_BATCH_ACTS 0x80000
+#define RF_ACTS (RF_FP32_ACTS | RF_INT8_ACTS | RF_TILES_ACTS | RF_BATCH_ACTS)
+/* RF_BATCH_ACTS (`auto` for a big model's 32-block types): RF_TILES_ACTS up to the fused
+ * kernels' rows (a decode of 1-4 streams: exact, and the integer path measured no faster
+ * there), RF_INT8_ACTS above (batches and prefill: 7B Q4_0, 16 streams, 1.9x the exact) */
+static int acts_for_rows(int acts, int64_t M) {
+    return acts == RF_BATCH_ACTS ? (M > FUSED_ROWS ? RF_INT8_ACTS : RF_TILES_ACTS) : acts;
+}
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
-    const int acts = qtype & RF_ACTS;
+    const int acts = acts_for_rows(qtype & RF_ACTS, M);
     qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
     if (M == 0 || N == 0) return 0;
@@ -376,7 +383,7 @@ static int team_size(void) {
  * activation flags): the exact fused path (fp32 activations, a type with a fused kernel for
  * M rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
 int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const float *scale) {
-    const int acts = qtype & RF_ACTS;
+    const int acts = acts_for_rows(qtype & RF_ACTS, M);
     qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || scale || M < 1 || K > TEAM_MAX_K) return 0;
 #ifdef QUANT_X86

@@ -85,7 +85,9 @@ ISAS = ("scalar", "avx2", "avx512")  # rf_qset_isa's levels 0, 1, 2
 INT_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # rf_qset_int_isa's levels 0, 1, 2
 ACTIVATIONS = ("fp32", "int8", "auto")  # rf_qset_activations's modes 0, 1, 2
 # or'ed into rf_qlinear's qtype; "fp32-tiles": fp32 x, AMX bf16x3 tiles allowed (quant.c)
-ACTIVATION_FLAGS = {"fp32": 0x10000, "int8": 0x20000, "fp32-tiles": 0x40000, None: 0}
+ACTIVATION_FLAGS = {
+    "fp32": 0x10000, "int8": 0x20000, "fp32-tiles": 0x40000, "int8-batch": 0x80000, None: 0
+}  # fmt: skip
 K_TYPES = (12, 13, 14)  # Q4_K, Q5_K, Q6_K
 
 
@@ -94,10 +96,14 @@ def activations_for(qtype: int, mode: str | None) -> str | None:
     for the K types (their one-row integer path runs 2.5-3x the fp32 one) and fp32 for the
     rest (their one-row integer path measured no faster, and exact keeps a small model's
     replies: docs/models.md), there with the AMX bf16x3 tiles from 32 rows ("fp32-tiles",
-    within a few 1e-6 a matmul); "fp32" is exact throughout (no tiles), "int8" as named; None
-    the process default."""
-    if mode == "auto":
-        return "int8" if qtype in K_TYPES else "fp32-tiles"
+    within a few 1e-6 a matmul); "auto-big" (`auto` for a model of BIG_MODEL_PARAMS or more)
+    the same but int8 for the rest's calls of more than 4 rows ("int8-batch": batches and
+    prefill, where the integer products run ~2x the exact ones); "fp32" is exact throughout
+    (no tiles), "int8" as named; None the process default."""
+    if mode in ("auto", "auto-big"):
+        if qtype in K_TYPES:
+            return "int8"
+        return "int8-batch" if mode == "auto-big" else "fp32-tiles"
     return mode
 
 

@@ -248,11 +248,20 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+# From this many quantized weights, "auto" takes int8 activations for batches of every type
+# (`activations_for`'s "auto-big"): a 7B's exact batches ran below llama.cpp's int8 ones, and
+# the replies the 8-bit activations change were a small model's (docs/models.md)
+BIG_MODEL_PARAMS = 10**9
+
+
 def set_activations(model: nn.Module, mode: str) -> None:
     """Every QuantLinear's activations: "int8" (integer dot products where the CPU and the
     block type allow them), "fp32" (exact: within 1e-4 of the dequantized reference) or
-    "auto" (per part's type: `kernels.cpu.quant.activations_for`)."""
-    for m in quant_layers(model):
+    "auto" (per part's type and the model's size: `kernels.cpu.quant.activations_for`)."""
+    layers = list(quant_layers(model))
+    if mode == "auto" and sum(m.in_features * m.out_features for m in layers) >= BIG_MODEL_PARAMS:
+        mode = "auto-big"
+    for m in layers:
         m.activations = mode
 
 

@@ -113,6 +113,33 @@ def test_which_calls_take_it(no_amx: None) -> None:
     assert (got - quant.linear(y, f16)).abs().max() <= 1e-4 * got.abs().max()
 
 
+def test_a_big_models_auto_takes_int8_for_batches_only() -> None:
+    """`auto-big` (`auto` on a model of 1e9 weights or more) on a 32-block type: the exact
+    fused kernels for 1-4 rows (`auto`'s own result, bit for bit), int8 activations from 5
+    (the int8 mode's result, bit for bit: the integer path, or where the CPU has AMX its
+    int8 tiles); a K type is int8 at every row count, as under `auto`."""
+    w = random_weight(quant.Q4_0, 48, 512)
+    x = torch.randn((16, 512), generator=torch.Generator().manual_seed(8))
+    exact = quant.linear(x, w)
+    for rows in (1, 4):
+        got = native_quant.linear(x[:rows], w, activations="auto-big")
+        assert torch.equal(got, native_quant.linear(x[:rows], w, activations="auto"))
+        assert (got - exact[:rows]).abs().max() <= 1e-4 * exact.abs().max()
+    for rows in (5, 16):
+        got = native_quant.linear(x[:rows], w, activations="auto-big")
+        assert torch.equal(got, native_quant.linear(x[:rows], w, activations="int8"))
+    batch = native_quant.linear(x, w, activations="auto-big")
+    if native_quant.set_amx_int_rows(-1):  # int8 tiles take 16 rows: 8-bit activations
+        assert (batch - exact).abs().max() > 1e-3
+    wk = random_weight(quant.Q4_K, 16, 256)
+    assert native_quant.activations_for(quant.Q4_K, "auto-big") == "int8"
+    xk = torch.randn((2, 256), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(
+        native_quant.linear(xk, wk, activations="auto-big"),
+        native_quant.linear(xk, wk, activations="int8"),
+    )
+
+
 def test_process_default_is_auto_and_settable() -> None:
     """auto: a K type through the integer path, a 32-block type exact; then each mode set."""
     before = native_quant.set_activations(None)

@@ -116,6 +116,27 @@ def test_the_reference_path_is_plain_fp32(reference):
     assert Path(reference.model_info["model_path"], "model.safetensors").is_file()
 
 
+def test_auto_takes_int8_batches_from_a_big_models_size(engine, monkeypatch):
+    """`auto` resolves per model: SmolLM2 (1.3e8 weights) keeps it (its 32-block types
+    exact at every row count); from BIG_MODEL_PARAMS weights it becomes "auto-big" (int8
+    activations for calls of more than 4 rows: kernels test_qdot.py holds what that does)."""
+    model = engine._loaded.model
+    layers = quantized.quant_layers(model)
+    before = [m.activations for m in layers]
+    weights = sum(m.in_features * m.out_features for m in layers)
+    try:
+        quantized.set_activations(model, "auto")
+        assert {m.activations for m in layers} == {"auto"}
+        monkeypatch.setattr(quantized, "BIG_MODEL_PARAMS", weights)
+        quantized.set_activations(model, "auto")
+        assert {m.activations for m in layers} == {"auto-big"}
+        quantized.set_activations(model, "fp32")  # an explicit mode is kept whatever the size
+        assert {m.activations for m in layers} == {"fp32"}
+    finally:
+        for m, mode in zip(layers, before):
+            m.activations = mode
+
+
 def test_single_streams_take_the_compiled_decode_loop(engine):
     """The compiled loop (kernels/cpu/decode_loop.cpp) calls the quantized kernel by its
     address; its replies are held to the reference above. Here: it is built and taken."""
