@@ -40,6 +40,8 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define INT_ROWS_K_GEMM (1 << 30)
 #define INT_ROWS_K_GEMM_AMX 63
 #define INT_ROWS_32 4
+#define INT_ROWS_32_GEMM (1 << 30)
+#define INT_ROWS_32_GEMM_AMX 4
 /* rows from which AVX512-VNNI takes qdot_gemm.c's panels for the K types instead of the row
  * kernels (which unpack a weight row per 4 rows of x): level at 5 rows, 1.3-1.5x at 8 */
 #define INT_GEMM_ROWS 5
@@ -146,8 +148,9 @@ int rf_qset_int_rows(int rows) {
 
 static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
-    if (idot_block(qtype) != 256) return INT_ROWS_32;
     const int gemm = rf_qset_int_isa(-1) == IDOT_VNNI512;
+    if (idot_block(qtype) != 256)
+        return !gemm ? INT_ROWS_32 : amx_int ? INT_ROWS_32_GEMM_AMX : INT_ROWS_32_GEMM;
     if (amx_int) return gemm ? INT_ROWS_K_GEMM_AMX : INT_ROWS_K_AMX;
     return gemm ? INT_ROWS_K_GEMM : INT_ROWS_K;
 }

@@ -339,6 +339,7 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
     }
 }
 #include "qdot_gemm.c" /* many rows: Q4_K, Q5_K, Q6_K panels unpacked once for vpdpbusd */
+#include "qdot_gemm32.c" /* and the 32-block types' */
 #endif
 
 static inline __attribute__((always_inline)) void IF(row)(
@@ -362,9 +363,11 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     acts_t a;
     if (IF(acts)(x, M, ldx, K, idot_block(qtype), &a)) return -2;
 #ifdef IDOT_ZMM
-    if (idot_type(qtype) && idot_block(qtype) == 256 && M >= rf_qset_int_gemm_rows(-1)) {
-        const int status = IF(qlinear_gemm)(&a, M, w, N, row_bytes, qtype, bias, out, ldo,
-                                            threads);
+    if (idot_type(qtype) && M >= rf_qset_int_gemm_rows(-1)) {
+        const int status =
+            idot_block(qtype) == 256
+                ? IF(qlinear_gemm)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads)
+                : IF(qlinear_gemm32)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
         return status;
     }

@@ -263,6 +263,38 @@ def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
         torch.set_num_threads(threads)
 
 
+BLOCK32_TYPES = tuple(t for t in quant.INT8_TYPES if quant.activation_block(t) == 32)
+
+
+@pytest.mark.parametrize("qtype", BLOCK32_TYPES, ids=quant.NAMES.get)
+def test_many_rows_of_32_block_types_match_reference(qtype: int, no_amx: None) -> None:
+    """The 32-block types from a few rows to a prefill chunk (qdot_gemm32.c on AVX512-VNNI:
+    11 16-feature panels, the last one of 5; K = 4096 + 96, not a multiple of 256, so x's
+    blocks of rows are 248 and 300 = 248 + 52), from the default threshold and from one row,
+    with a bias into a wider out."""
+    n, k = 165, 4096 + 3 * 32
+    w = random_weight(qtype, n, k, seed=qtype)
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(n, generator=gen)
+    native_quant.set_int_rows(1 << 20)
+    default = native_quant.set_int_gemm_rows(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m in (1, 5, 8, 17, 64, 300):
+            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
+            expected = quant.linear_int8(x, w, bias)
+            for gemm_rows in (default, 1) if m < 64 else (default,):
+                native_quant.set_int_gemm_rows(gemm_rows)
+                out = torch.full((m, n + 3), float("nan"))
+                native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="int8")
+                assert_int8_near(out[:, 1 : 1 + n], expected)
+                assert out[:, 0].isnan().all() and out[:, 1 + n :].isnan().all()
+    finally:
+        native_quant.set_int_gemm_rows(0)
+        torch.set_num_threads(threads)
+
+
 def test_with_amx_the_integer_path_stops_below_the_bf16_pass() -> None:
     """AMX present, by default: a K type on the integer path (256-blocks of x) up to 63 rows
     on AVX512-VNNI (its panels), 8 on a lower ISA (its row kernels), AMX-INT8 (32-blocks of
@@ -293,8 +325,9 @@ sys.path.insert(0, {here!r})
 from test_quant import random_weight
 from radixflow.kernels import quant
 from radixflow.kernels.cpu import quant as native_quant
-for m in (17, 64, 300):
-    w = random_weight(quant.Q6_K if m == 64 else quant.Q4_K, 40, 1024, seed=m)
+for m, qtype in ((17, quant.Q4_K), (64, quant.Q6_K), (300, quant.Q4_K), (5, quant.Q4_0),
+                 (63, quant.Q4_1R), (70, quant.Q8_0)):
+    w = random_weight(qtype, 40, 1024, seed=m)
     x = torch.randn((m, 1024), generator=torch.Generator().manual_seed(m))
     expected = quant.linear_int8(x, w)
     err = (native_quant.linear(x, w, activations="int8") - expected).abs().max()
@@ -305,13 +338,14 @@ for m in (17, 64, 300):
 @pytest.mark.skipif(BEST != "avx512-vnni", reason="qdot_gemm.c is AVX512-VNNI's")
 def test_without_amx_the_integer_path_takes_many_rows() -> None:
     """RADIXFLOW_QUANT_AMX=0 (a CPU without AMX, as AMD Zen 4): every row count of a K type
-    on the integer path, not the fp32 panels (5e-3 away), by default."""
+    or a 32-block type (Q4_0, Q4_1R: Q4_1 as held on AVX-512, Q8_0) on the integer path, not
+    the fp32 panels (5e-3 away), by default."""
     env = {**os.environ, "RADIXFLOW_QUANT_AMX": "0"}
     code = NO_AMX.format(here=str(Path(__file__).parent))
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     lines = result.stdout.split("\n")[:-1]
-    assert len(lines) == 3, result.stderr[-2000:]
+    assert len(lines) == 6, result.stderr[-2000:]
     for line in lines:
         assert float(line.split()[1]) <= 2e-6, line
