@@ -34,20 +34,34 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * without AMX-INT8 (AMD Zen 4; RADIXFLOW_QUANT_AMX=0) at every row count (7B's layer shapes,
  * one thread of this project's Xeon, AMX off: 2.1x the row kernels' speed at 16 rows, 2.8x /
  * 2.6x / 2.5x the fp32 panel path's at 32 / 64 / 256); with it up to 63 rows, below the bf16
- * pass (AMX on: 1.55x AMX-INT8's speed at 9 rows, 1.2x at 16, 1.1x at 32 and 63). */
+ * pass (AMX on: 1.55x AMX-INT8's speed at 9 rows, 1.2x at 16, 1.1x at 32 and 63).
+ * The 32-block types take qdot_gemm32.c's panels from INT_GEMM_ROWS on AVX512-VNNI too:
+ * without AMX-INT8 at every row count, with it up to 63 rows for the types with a minimum
+ * (Q4_1, Q4_1R, Q5_1) and up to 40 for the others (Q4_0, Q5_0, Q8_0), whose tiles are
+ * cheaper. 7B's shapes (K x N = 4096 x 4096, 4096 x 11008, 11008 x 4096), one thread of
+ * this project's Xeon, thread CPU time, medians of 7 interleaved runs, panels against:
+ * the exact paths (what int8 mode ran above 4 rows without AMX), Q4_0: 2.5-2.9x at 5 rows,
+ * 2.6-3.1x at 16, 2.5-2.7x at 40, 2.5-2.7x at 63; the row kernels 3x at 5; AMX-INT8 tiles,
+ * Q4_0: 1.9-2.1x at 5, 1.6-1.8x at 8, 1.1-1.2x at 16 and 24, 0.95-1.04x at 32, 1.03-1.14x
+ * at 40, 0.89-0.98x at 48, 0.84-0.87x at 63; Q8_0: 2.1-2.3x at 5, 1.06-1.21x at 40,
+ * 0.92-1.06x at 48, 0.88-0.93x at 63; Q5_0: 1.01-1.05x at 40, 0.83-0.85x at 63; Q4_1R:
+ * 1.8-2.0x at 5, 1.28-1.36x at 40, 1.04-1.11x at 63; Q4_1: 1.05-1.08x at 63; Q5_1:
+ * 1.05-1.11x at 63 (`python -m radixflow.bench.qdot_panels Q4_0 7`, 2026-12-06). */
 #define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_K_GEMM (1 << 30)
 #define INT_ROWS_K_GEMM_AMX 63
 #define INT_ROWS_32 4
 #define INT_ROWS_32_GEMM (1 << 30)
-#define INT_ROWS_32_GEMM_AMX 4
-/* rows from which AVX512-VNNI takes qdot_gemm.c's panels for the K types instead of the row
- * kernels (which unpack a weight row per 4 rows of x): level at 5 rows, 1.3-1.5x at 8 */
+#define INT_ROWS_32_GEMM_AMX 40  /* Q4_0, Q5_0, Q8_0 */
+#define INT_ROWS_32M_GEMM_AMX 63 /* Q4_1, Q4_1R, Q5_1 */
+/* rows from which AVX512-VNNI takes the panels (qdot_gemm.c, qdot_gemm32.c) instead of the
+ * row kernels (which unpack a weight row per 4 rows of x): K types level at 5 rows, 1.3-1.5x
+ * at 8; 32-block types 3x at 5 */
 #define INT_GEMM_ROWS 5
 static int gemm_rows_set = 0;
-/* Rows from which the AVX512-VNNI integer path runs qdot_gemm.c's panels instead of the
- * row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
+/* Rows from which the AVX512-VNNI integer path runs the panels (qdot_gemm.c, qdot_gemm32.c)
+ * instead of the row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
 int rf_qset_int_gemm_rows(int rows) {
     if (rows >= 0) gemm_rows_set = rows;
     return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
@@ -150,7 +164,10 @@ static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
     const int gemm = rf_qset_int_isa(-1) == IDOT_VNNI512;
     if (idot_block(qtype) != 256)
-        return !gemm ? INT_ROWS_32 : amx_int ? INT_ROWS_32_GEMM_AMX : INT_ROWS_32_GEMM;
+        return !gemm      ? INT_ROWS_32
+               : !amx_int ? INT_ROWS_32_GEMM
+               : qtype == Q4_1 || qtype == Q4_1R || qtype == Q5_1 ? INT_ROWS_32M_GEMM_AMX
+                                                                   : INT_ROWS_32_GEMM_AMX;
     if (amx_int) return gemm ? INT_ROWS_K_GEMM_AMX : INT_ROWS_K_AMX;
     return gemm ? INT_ROWS_K_GEMM : INT_ROWS_K;
 }

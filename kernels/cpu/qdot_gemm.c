@@ -2,7 +2,9 @@
  * batched decode steps and prefill chunks, at every row count from 5 on CPUs without AMX
  * (AMD Zen 4, or RADIXFLOW_QUANT_AMX=0), below the bf16 tile pass (64 rows) with it (qdot.c's
  * thresholds). Included by qdot_body.c in its AVX512-VNNI copy only (IDOT_ZMM), after the
- * row kernels, whose activations (acts_t) it shares.
+ * row kernels, whose activations (acts_t) it shares. The 32-block types (Q4_0 .. Q8_0,
+ * Q4_1R) take the same scheme on x's blocks of 32 in qdot_gemm32.c, included after this
+ * file (its constants and gemm_f16 shared), up to 40 or 63 rows where AMX-INT8 is (qdot.c).
  *
  * Why: the row kernels unpack a weight row for every 4 rows of x and spend a maddubs and a
  * vpdpwssd on each 64 weights and row; from a few rows on, the weights are better unpacked

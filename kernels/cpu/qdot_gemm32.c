@@ -2,8 +2,9 @@
  * held where the kernels run AVX-512) with 512-bit `vpdpbusd`: qdot_gemm.c's panels for x
  * quantized in blocks of 32. Included by qdot_body.c in its AVX512-VNNI copy only, after
  * qdot_gemm.c, whose constants (GEMM_MR, GEMM_XBYTES, ...) and f16 helper it shares; taken
- * where qdot.c's int_rows_for sends those types' rows to the integer path from
- * INT_GEMM_ROWS (see there for which calls that is, and the figures that set it).
+ * from INT_GEMM_ROWS where qdot.c's int_rows_for sends those types' rows to the integer path
+ * (without AMX-INT8 every row count; with it up to 40 or 63 rows: see there, and the
+ * figures that set it).
  *
  * A panel is 16 weight rows (features) unpacked once per block of x's rows: per 32-block,
  * the 8 quads of all 16 features as u8 (feature l in 32-bit lane l: Q4 0..15, Q5 0..31,

@@ -17,7 +17,10 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   all rows (qdot_gemm.c) and take the integer path up to 63 rows where AMX is (1.1-1.55x
   AMX-INT8's speed), at every row count without AMX-INT8 (AMD Zen 4, RADIXFLOW_QUANT_AMX=0): a
   7B layer at 16 / 64 / 256 rows in 30 / 80 / 289 ms of one thread, against 63 (the row
-  kernels) / 208 / 697 ms (the fp32 panels) before.
+  kernels) / 208 / 697 ms (the fp32 panels) before. The 32-block types take such panels too
+  (qdot_gemm32.c) from 5 rows: up to 40 (Q4_0, Q5_0, Q8_0) or 63 (Q4_1, Q5_1) where AMX is,
+  at every row count without (a 7B Q4_0
+  layer on one thread: 2.5-3x the exact paths' speed, which they took above 4 rows before).
 - "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;
@@ -190,8 +193,8 @@ def set_int_rows(rows: int) -> int:
 
 
 def set_int_gemm_rows(rows: int) -> int:
-    """From how many rows the AVX512-VNNI integer path unpacks 16-row panels of a K-type
-    weight once for all rows of x (qdot_gemm.c) instead of once per 4 rows: `rows` > 0 sets
+    """From how many rows the AVX512-VNNI integer path unpacks 16-row panels of the weight
+    once for all rows of x (qdot_gemm.c, qdot_gemm32.c) instead of once per 4 rows: `rows` > 0 sets
     it, 0 restores the default, -1 only asks."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_int_gemm_rows(rows)

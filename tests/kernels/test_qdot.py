@@ -298,7 +298,9 @@ def test_many_rows_of_32_block_types_match_reference(qtype: int, no_amx: None) -
 def test_with_amx_the_integer_path_stops_below_the_bf16_pass() -> None:
     """AMX present, by default: a K type on the integer path (256-blocks of x) up to 63 rows
     on AVX512-VNNI (its panels), 8 on a lower ISA (its row kernels), AMX-INT8 (32-blocks of
-    x) between; a 32-block type on AMX-INT8 from 5 rows."""
+    x) between; a 32-block type (x in blocks of 32) on AVX512-VNNI's panels up to 40 rows
+    (Q4_0, Q5_0, Q8_0) or 63 (Q4_1, Q4_1R, Q5_1: a minimum), AMX-INT8 above: the two agree
+    bit for bit on these types, so the threshold moves no result (and no test sees it)."""
     if native_quant.set_amx_int_rows(-1) == 0:
         pytest.skip("no AMX-INT8 here")
     w = random_weight(quant.Q4_K, 40, 512)
@@ -314,9 +316,23 @@ def test_with_amx_the_integer_path_stops_below_the_bf16_pass() -> None:
         finally:
             native_quant.set_int_isa(BEST)
     w32 = random_weight(quant.Q8_0, 40, 512)
-    x = torch.randn((5, 512), generator=gen)
-    got = native_quant.linear(x, w32, activations="int8")
-    assert_int8_near(got, quant.linear_int8(x, w32, block=32))
+    w41 = random_weight(quant.Q4_1R, 40, 512)
+    x = torch.randn((63, 512), generator=gen)
+    try:  # both paths: each block's exact int32 sum, scaled and summed in the same order
+        for w, m in ((w32, 5), (w32, 40), (w32, 41), (w41, 63)):
+            got = native_quant.linear(x[:m], w, activations="int8")
+            assert_int8_near(got, quant.linear_int8(x[:m], w))
+            native_quant.set_amx_int_rows(1 << 30)
+            native_quant.set_int_rows(1 << 20)
+            panels = native_quant.linear(x[:m], w, activations="int8")
+            native_quant.set_amx_int_rows(0)
+            native_quant.set_int_rows(4)
+            tiles = native_quant.linear(x[:m], w, activations="int8")
+            native_quant.set_int_rows(0)
+            assert torch.equal(got, panels) and torch.equal(got, tiles), f"{m} rows"
+    finally:
+        native_quant.set_amx_int_rows(0)
+        native_quant.set_int_rows(0)
 
 
 NO_AMX = """
