@@ -168,7 +168,8 @@ static inline void IF(gemm_scales)(const uint8_t *p, __m512i idx, __mmask16 mask
  * the next panel's (nn features) fetched meanwhile, so that its reads from memory overlap
  * this panel's products instead of stalling its unpacking */
 static void IF(gemm_unpack)(const uint8_t *w, int64_t row_bytes, int64_t nb, int qtype,
-                            int64_t n0, int nf, int nn, gemm_blk_t *o) {
+                            int64_t n0, int nf, int nn, void *blocks) {
+    gemm_blk_t *o = blocks;
     const int64_t stride = qtype == Q6_K ? 210 : qtype == Q5_K ? 176 : 144;
     const __m512i idx = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -224,24 +225,33 @@ static inline __attribute__((always_inline)) void IF(gemm_rows)(
     }
 }
 
-/* mr rows from m0 into out's features n0 .. n0 + nf - 1 */
-static inline __attribute__((always_inline)) void IF(gemm_store)(
-    const int mr, const int six, const gemm_blk_t *o, const acts_t *a, const int16_t *xp,
-    int64_t m0, int64_t n0, int nf, const float *bias, float *out, int64_t ldo) {
-    __m512 tot[GEMM_MR];
-    IF(gemm_rows)(mr, six, o, a, xp, m0, tot);
+/* mr rows' sums tot (+ bias) into out's features n0 .. n0 + nf - 1 from row m0 */
+static inline __attribute__((always_inline)) void IF(gemm_put)(
+    const int mr, const __m512 *tot, int64_t m0, int64_t n0, int nf, const float *bias,
+    float *out, int64_t ldo) {
     const __mmask16 mask = (__mmask16)((1u << nf) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < mr; m++)
         _mm512_mask_storeu_ps(out + (m0 + m) * ldo + n0, mask, _mm512_add_ps(tot[m], bv));
 }
 
+/* mr rows from m0 into out's features n0 .. n0 + nf - 1 */
+static inline __attribute__((always_inline)) void IF(gemm_store)(
+    const int mr, const int six, const gemm_blk_t *o, const acts_t *a, const int16_t *xp,
+    int64_t m0, int64_t n0, int nf, const float *bias, float *out, int64_t ldo) {
+    __m512 tot[GEMM_MR];
+    IF(gemm_rows)(mr, six, o, a, xp, m0, tot);
+    IF(gemm_put)(mr, tot, m0, n0, nf, bias, out, ldo);
+}
+
 #define GEMM_CASE(r, six)                                                                  \
     case r: IF(gemm_store)(r, six, o, a, xp, m0, n0, nf, bias, out, ldo); break
 /* rows m0 .. m1 - 1 against the unpacked panel, GEMM_MR at a time */
-static void IF(gemm_panel)(int six, const gemm_blk_t *o, const acts_t *a, const int16_t *xp,
+static void IF(gemm_panel)(int six, const void *blocks, const acts_t *a, const void *sums,
                            int64_t m0, int64_t m1, int64_t n0, int nf, const float *bias,
                            float *out, int64_t ldo) {
+    const gemm_blk_t *o = blocks;
+    const int16_t *xp = sums;
     for (; m0 < m1; m0 += GEMM_MR) {
         const int64_t mr = m1 - m0 < GEMM_MR ? m1 - m0 : GEMM_MR;
         if (six) switch (mr) {
@@ -265,13 +275,22 @@ static int16_t *IF(gemm_sums32)(const acts_t *a, int64_t M) {
     return xp;
 }
 
-/* out = x w^T (+ bias) for a K type, x already quantized (a, in k order); -2 on no memory */
-static int IF(qlinear_gemm)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
-                            int64_t row_bytes, int qtype, const float *bias, float *out,
-                            int64_t ldo, int threads) {
-    const int six = qtype == Q6_K;
-    int16_t *xp = six ? NULL : IF(gemm_sums32)(a, M);
-    if (!six && !xp) return -2;
+/* One type family's panels (qdot_gemm32.c has the other): the size of an unpacked block, the
+ * unpacking of a panel's 16 features, and the run of rows over them */
+typedef struct {
+    size_t block_size;
+    void (*unpack)(const uint8_t *, int64_t, int64_t, int, int64_t, int, int, void *);
+    void (*panel)(int, const void *, const acts_t *, const void *, int64_t, int64_t, int64_t,
+                  int, const float *, float *, int64_t);
+} IF(gemm_kind_t);
+
+/* out = x w^T (+ bias) over a family's panels: x's rows in blocks of about GEMM_XBYTES, the
+ * panels in dynamic chunks of GEMM_CHUNK over the threads, each thread with its own unpacked
+ * panel (`flag` and `sums`, x's per-block sums, go to the family's panel); -2 on no memory */
+static int IF(gemm_drive)(const IF(gemm_kind_t) *kind, int flag, const void *sums,
+                          const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
+                          int64_t row_bytes, int qtype, const float *bias, float *out,
+                          int64_t ldo, int threads) {
     const int64_t panels = (N + 15) / 16, nb = a->nb;
     int64_t xrows = GEMM_XBYTES / a->K / GEMM_MR * GEMM_MR;
     if (xrows < GEMM_MR) xrows = GEMM_MR;
@@ -281,7 +300,7 @@ static int IF(qlinear_gemm)(const acts_t *a, int64_t M, const uint8_t *w, int64_
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
     const unsigned csr = denormals_off();
-    gemm_blk_t *o = aligned_alloc(64, (size_t)nb * sizeof(gemm_blk_t));
+    void *o = aligned_alloc(64, (size_t)nb * kind->block_size);
     if (!o) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
     for (int64_t x0 = 0; x0 < M; x0 += xrows) {
         const int64_t x1 = x0 + xrows < M ? x0 + xrows : M;
@@ -292,14 +311,27 @@ static int IF(qlinear_gemm)(const acts_t *a, int64_t M, const uint8_t *w, int64_
                 const int nf = N - 16 * pi < 16 ? (int)(N - 16 * pi) : 16;
                 const int nn = pi + 1 == end || row_bytes > GEMM_PF_ROW ? 0
                                : N - 16 * pi < 32 ? (int)(N - 16 * pi - 16) : 16;
-                IF(gemm_unpack)(w, row_bytes, nb, qtype, 16 * pi, nf, nn, o);
-                IF(gemm_panel)(six, o, a, xp, x0, x1, 16 * pi, nf, bias, out, ldo);
+                kind->unpack(w, row_bytes, nb, qtype, 16 * pi, nf, nn, o);
+                kind->panel(flag, o, a, sums, x0, x1, 16 * pi, nf, bias, out, ldo);
             }
         }
     }
     free(o);
     _mm_setcsr(csr);
     }
-    free(xp);
     return failed ? -2 : 0;
+}
+
+/* out = x w^T (+ bias) for a K type, x already quantized (a, in k order); -2 on no memory */
+static int IF(qlinear_gemm)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
+                            int64_t row_bytes, int qtype, const float *bias, float *out,
+                            int64_t ldo, int threads) {
+    static const IF(gemm_kind_t) kind = {sizeof(gemm_blk_t), IF(gemm_unpack), IF(gemm_panel)};
+    const int six = qtype == Q6_K;
+    int16_t *xp = six ? NULL : IF(gemm_sums32)(a, M);
+    if (!six && !xp) return -2;
+    const int status =
+        IF(gemm_drive)(&kind, six, xp, a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    free(xp);
+    return status;
 }

@@ -1,7 +1,8 @@
 /* Many rows of x against the 32-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_1R, Q4_1 as
  * held where the kernels run AVX-512) with 512-bit `vpdpbusd`: qdot_gemm.c's panels for x
  * quantized in blocks of 32. Included by qdot_body.c in its AVX512-VNNI copy only, after
- * qdot_gemm.c, whose constants (GEMM_MR, GEMM_XBYTES, ...) and f16 helper it shares; taken
+ * qdot_gemm.c, whose constants (GEMM_MR, GEMM_XBYTES, ...), f16 helper, stores and driver
+ * (gemm_drive: x's row blocks, threads, prefetch of the next panel) it shares; taken
  * from INT_GEMM_ROWS where qdot.c's int_rows_for sends those types' rows to the integer path
  * (without AMX-INT8 every row count; with it up to 40 or 63 rows: see there, and the
  * figures that set it).
@@ -49,7 +50,8 @@ static inline void IF(g32_load4)(const uint8_t *p, int64_t stride, int nf, __m51
 /* features n0 .. n0 + nf - 1 (nf <= 16; the rest zero) of every block, unpacked into o; the
  * next panel's nn features fetched meanwhile (as qdot_gemm.c's gemm_unpack) */
 static void IF(g32_unpack)(const uint8_t *w, int64_t row_bytes, int64_t nb, int qtype,
-                           int64_t n0, int nf, int nn, g32_blk_t *o) {
+                           int64_t n0, int nf, int nn, void *blocks) {
+    g32_blk_t *o = blocks;
     const uint8_t *p0 = w + n0 * row_bytes;
     const int rep = qtype == Q4_1R, five = qtype == Q5_0 || qtype == Q5_1;
     const int64_t bytes = rep ? 0 : row_bytes / nb;
@@ -133,18 +135,17 @@ static inline __attribute__((always_inline)) void IF(g32_store)(
     int64_t m0, int64_t n0, int nf, const float *bias, float *out, int64_t ldo) {
     __m512 tot[GEMM_MR];
     IF(g32_rows)(mr, mins, o, a, xo, m0, tot);
-    const __mmask16 mask = (__mmask16)((1u << nf) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < mr; m++)
-        _mm512_mask_storeu_ps(out + (m0 + m) * ldo + n0, mask, _mm512_add_ps(tot[m], bv));
+    IF(gemm_put)(mr, tot, m0, n0, nf, bias, out, ldo);
 }
 
 #define G32_CASE(r, mins)                                                                  \
     case r: IF(g32_store)(r, mins, o, a, xo, m0, n0, nf, bias, out, ldo); break
 /* rows m0 .. m1 - 1 against the unpacked panel, GEMM_MR at a time */
-static void IF(g32_panel)(int mins, const g32_blk_t *o, const acts_t *a, const int32_t *xo,
+static void IF(g32_panel)(int mins, const void *blocks, const acts_t *a, const void *sums,
                           int64_t m0, int64_t m1, int64_t n0, int nf, const float *bias,
                           float *out, int64_t ldo) {
+    const g32_blk_t *o = blocks;
+    const int32_t *xo = sums;
     for (; m0 < m1; m0 += GEMM_MR) {
         const int64_t mr = m1 - m0 < GEMM_MR ? m1 - m0 : GEMM_MR;
         if (mins) switch (mr) {
@@ -179,37 +180,12 @@ static int32_t *IF(g32_sums)(const acts_t *a, int64_t M, int off) {
 static int IF(qlinear_gemm32)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
                               int64_t row_bytes, int qtype, const float *bias, float *out,
                               int64_t ldo, int threads) {
-    const int off = g32_offset(qtype), mins = !off;
+    static const IF(gemm_kind_t) kind = {sizeof(g32_blk_t), IF(g32_unpack), IF(g32_panel)};
+    const int off = g32_offset(qtype);
     int32_t *xo = IF(g32_sums)(a, M, off);
     if (off && !xo) return -2;
-    const int64_t panels = (N + 15) / 16, nb = a->nb;
-    int64_t xrows = GEMM_XBYTES / a->K / GEMM_MR * GEMM_MR;
-    if (xrows < GEMM_MR) xrows = GEMM_MR;
-    const int64_t chunks = (panels + GEMM_CHUNK - 1) / GEMM_CHUNK;
-    const int nt = threads < 1 ? 1 : chunks < threads ? (int)chunks : threads;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-    const unsigned csr = denormals_off();
-    g32_blk_t *o = aligned_alloc(64, (size_t)nb * sizeof(g32_blk_t));
-    if (!o) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-    for (int64_t x0 = 0; x0 < M; x0 += xrows) {
-        const int64_t x1 = x0 + xrows < M ? x0 + xrows : M;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t ci = 0; ci < chunks; ci++) {
-            const int64_t end = (ci + 1) * GEMM_CHUNK < panels ? (ci + 1) * GEMM_CHUNK : panels;
-            for (int64_t pi = ci * GEMM_CHUNK; o && pi < end; pi++) {
-                const int nf = N - 16 * pi < 16 ? (int)(N - 16 * pi) : 16;
-                const int nn = pi + 1 == end || row_bytes > GEMM_PF_ROW ? 0
-                               : N - 16 * pi < 32 ? (int)(N - 16 * pi - 16) : 16;
-                IF(g32_unpack)(w, row_bytes, nb, qtype, 16 * pi, nf, nn, o);
-                IF(g32_panel)(mins, o, a, xo, x0, x1, 16 * pi, nf, bias, out, ldo);
-            }
-        }
-    }
-    free(o);
-    _mm_setcsr(csr);
-    }
+    const int status =
+        IF(gemm_drive)(&kind, !off, xo, a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
     free(xo);
-    return failed ? -2 : 0;
+    return status;
 }

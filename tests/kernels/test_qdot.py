@@ -234,13 +234,18 @@ def test_int8_paths_flush_denormals_and_restore_the_callers_mode() -> None:
 K_TYPES = (quant.Q4_K, quant.Q5_K, quant.Q6_K)
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=quant.NAMES.get)
+BLOCK32_TYPES = tuple(t for t in quant.INT8_TYPES if quant.activation_block(t) == 32)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES + BLOCK32_TYPES, ids=quant.NAMES.get)
 def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
-    """The K types from a few rows to a prefill chunk (qdot_gemm.c on AVX512-VNNI: 11
-    16-feature panels, the last one of 5, in 3 chunks of 4 over 2 threads; rows 8 at
-    a time and a remainder; x in blocks of 256 rows at K = 4096: 300 = 256 + 44), from its
-    default threshold and from one row, with a bias into a wider out."""
-    n, k = 165, 4096
+    """The integer panels from a few rows to a prefill chunk (qdot_gemm.c for the K types,
+    qdot_gemm32.c for the 32-block types, on AVX512-VNNI: 11 16-feature panels, the last one
+    of 5, in 3 chunks of 4 over 2 threads; rows 8 at a time and a remainder; x in blocks of
+    rows, 300 = 256 + 44 at K = 4096, and 248 + 52 at the 32-block types' K = 4096 + 96,
+    not a multiple of 256), from the default threshold and from one row, with a bias into a
+    wider out."""
+    n, k = 165, 4096 if qtype in K_TYPES else 4096 + 3 * 32
     w = random_weight(qtype, n, k, seed=qtype)
     gen = torch.Generator().manual_seed(9)
     bias = torch.randn(n, generator=gen)
@@ -252,39 +257,7 @@ def test_many_rows_match_reference(qtype: int, no_amx: None) -> None:
         for m in (1, 5, 8, 17, 64, 300):
             x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
             expected = quant.linear_int8(x, w, bias)
-            for gemm_rows in (default, 1):
-                native_quant.set_int_gemm_rows(gemm_rows)
-                out = torch.full((m, n + 3), float("nan"))
-                native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="int8")
-                assert_int8_near(out[:, 1 : 1 + n], expected)
-                assert out[:, 0].isnan().all() and out[:, 1 + n :].isnan().all()
-    finally:
-        native_quant.set_int_gemm_rows(0)
-        torch.set_num_threads(threads)
-
-
-BLOCK32_TYPES = tuple(t for t in quant.INT8_TYPES if quant.activation_block(t) == 32)
-
-
-@pytest.mark.parametrize("qtype", BLOCK32_TYPES, ids=quant.NAMES.get)
-def test_many_rows_of_32_block_types_match_reference(qtype: int, no_amx: None) -> None:
-    """The 32-block types from a few rows to a prefill chunk (qdot_gemm32.c on AVX512-VNNI:
-    11 16-feature panels, the last one of 5; K = 4096 + 96, not a multiple of 256, so x's
-    blocks of rows are 248 and 300 = 248 + 52), from the default threshold and from one row,
-    with a bias into a wider out."""
-    n, k = 165, 4096 + 3 * 32
-    w = random_weight(qtype, n, k, seed=qtype)
-    gen = torch.Generator().manual_seed(11)
-    bias = torch.randn(n, generator=gen)
-    native_quant.set_int_rows(1 << 20)
-    default = native_quant.set_int_gemm_rows(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for m in (1, 5, 8, 17, 64, 300):
-            x = torch.randn((m, k + 9), generator=gen)[:, 3 : 3 + k]
-            expected = quant.linear_int8(x, w, bias)
-            for gemm_rows in (default, 1) if m < 64 else (default,):
+            for gemm_rows in (default, 1) if m < 64 else (default,):  # the same path at 64+
                 native_quant.set_int_gemm_rows(gemm_rows)
                 out = torch.full((m, n + 3), float("nan"))
                 native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="int8")
