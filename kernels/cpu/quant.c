@@ -146,6 +146,7 @@ static int64_t fused_split_set = 0;
 #define FN(name) CAT(name, SUFFIX) /* a copy's names: deq_row_avx512, deq_row_avx2, .. */
 
 #ifdef QUANT_X86
+#include "quant_x24.c" /* Q4_1R against x in 24-bit fixed point (AVX512-VNNI), near-exact */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #define SUFFIX _avx512
@@ -255,6 +256,33 @@ int64_t rf_qset_fused_split(int64_t work) {
 static int acts_for_rows(int acts, int64_t M) {
     return acts == RF_BATCH_ACTS ? (M > FUSED_ROWS ? RF_INT8_ACTS : RF_TILES_ACTS) : acts;
 }
+/* quant_x24.c's path: on (1, the default; RADIXFLOW_QUANT_X24=0 starts it off) or off (0)
+ * for every caller in this process; a negative value only asks */
+static int x24_on = -1;
+int rf_qset_x24(int on) {
+    if (on >= 0) x24_on = on > 0;
+    if (x24_on < 0) {
+        const char *env = getenv("RADIXFLOW_QUANT_X24");
+        x24_on = !(env && !strcmp(env, "0"));
+    }
+    return x24_on;
+}
+
+/* 1 where a fused call of M rows of a qtype (flags removed) under the resolved activation
+ * flag `acts` takes quant_x24.c's kernel: Q4_1R, 1-4 rows, AVX-512 with VNNI, activations
+ * fp32 but not the explicit exact mode (RF_FP32_ACTS, or no flag under the fp32 default) */
+static int x24_for(int acts, int qtype, int64_t M) {
+#ifdef QUANT_X86
+    if (qtype != Q4_1R || M < 1 || M > FUSED_ROWS || !rf_qset_x24(-1)) return 0;
+    if (isa() != ISA_AVX512 || rf_qset_int_isa(-1) != IDOT_VNNI512) return 0;
+    if (acts == RF_FP32_ACTS || acts == RF_INT8_ACTS) return 0;
+    return acts ? 1 : rf_qset_activations(-1) == 2;
+#else
+    (void)acts, (void)qtype, (void)M;
+    return 0;
+#endif
+}
+
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
@@ -295,6 +323,7 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
 #else
     (void)acts;
 #endif
+    const int x24 = x24_for(acts, qtype, M);
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:
@@ -305,15 +334,19 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
         if (M >= rows)
             return qlinear_rows_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out,
                                        ldo, threads);
-        return qlinear_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+        return qlinear_avx512(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads,
+                              x24);
     case ISA_AVX2:
         if (M >= rows)
             return qlinear_rows_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo,
                                      threads);
-        return qlinear_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+        return qlinear_avx2(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads,
+                            0);
 #endif
     default:
-        return qlinear_base(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads);
+        (void)x24;
+        return qlinear_base(x, M, ldx, K, w, N, row_bytes, qtype, scale, bias, out, ldo, threads,
+                            0);
     }
 }
 
@@ -405,17 +438,18 @@ int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const flo
 void rf_qteam_linear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                      int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
                      int64_t ldo) {
+    const int x24 = x24_for(acts_for_rows(qtype & RF_ACTS, M), qtype & ~RF_ACTS, M);
     qtype &= ~RF_ACTS;
     const int nt = team_size();
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:
-        qlinear_team_avx512(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        qlinear_team_avx512(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt, x24);
         return;
     case ISA_AVX2:
-        qlinear_team_avx2(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        qlinear_team_avx2(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt, 0);
         return;
 #endif
-    default: qlinear_team_base(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+    default: (void)x24, qlinear_team_base(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt, 0);
     }
 }

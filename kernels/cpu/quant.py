@@ -76,6 +76,7 @@ SIGNATURES = {
     "rf_qset_int_gemm_rows": (_C, [_C]),
     "rf_qset_amx_int_rows": (_C, [_C]),
     "rf_qset_amx_bf16_rows": (_C, [_C]),
+    "rf_qset_x24": (_C, [_C]),
     "rf_qquantize_acts": (_C, [_P, _I, _I, _I, _C, _P, _P]),
     # the team (called from the C++ decode loop by address): see quant.c
     "rf_team_run": (None, [_C, _P, _P]),
@@ -174,6 +175,16 @@ def set_activations(mode: str | None) -> str:
     if lib is None:
         return "fp32"
     return ACTIVATIONS[lib.rf_qset_activations(-1 if mode is None else ACTIVATIONS.index(mode))]
+
+
+def set_x24(on: bool | None) -> bool:
+    """Whether 1-4 rows of x against Q4_1R take the 24-bit fixed-point integer kernel
+    (quant_x24.c: x per block of 32 as three signed bytes, vpdpbusd; near-exact, `auto`'s
+    choice on AVX512-VNNI) instead of the fp32 fused one, for every caller in this process;
+    None only asks. Read at first use from RADIXFLOW_QUANT_X24 (0: off); False without the
+    library."""
+    lib = library()
+    return False if lib is None else bool(lib.rf_qset_x24(-1 if on is None else int(on)))
 
 
 def set_int_isa(name: str | None) -> str | None:

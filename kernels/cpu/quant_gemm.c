@@ -122,20 +122,45 @@ static void FN(fused_range)(const float *x, int64_t M, int64_t ldx, int64_t K, c
     }
 }
 
+/* fused_range, or quant_x24.c's x24_range where x's parts are given */
+static inline void FN(fused_or_x24)(const float *x, const uint8_t *parts, int64_t M,
+                                      int64_t ldx, int64_t K, const float *xs,
+                                      const uint8_t *w, int64_t r, int64_t end,
+                                      int64_t row_bytes, int qtype, const float *bias,
+                                      float *out, int64_t ldo) {
+#if VW == 16 && defined(QUANT_X86)
+    if (parts) {
+        x24_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
+        return;
+    }
+#else
+    (void)parts;
+#endif
+    FN(fused_range)(x, M, ldx, K, xs, w, r, end, row_bytes, qtype, bias, out, ldo);
+}
+
 /* the fused path's chunk of output rows for nt threads: several a thread, handed out
  * dynamically, so the others take the share of a thread another process preempts */
 static inline int64_t FN(fused_chunk)(int64_t N, int nt) {
     return N / (8 * nt) > 4 ? N / (8 * nt) : 4;
 }
 
+/* x24: x's parts for quant_x24.c's kernels (Q4_1R on AVX512-VNNI), else NULL */
 static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
                              const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
-                             const float *bias, float *out, int64_t ldo, int threads) {
+                             const float *bias, float *out, int64_t ldo, int threads, int x24) {
     const int64_t nb = K / 32;
     const int pairs = qtype == Q4_0 || qtype == Q4_1;
     float *xs = malloc((size_t)(M * nb * (pairs ? 2 : 1)) * sizeof(float) + 8);
     if (!xs) return -2;
     FN(block_sums)(x, M, ldx, nb, qtype, xs);
+    uint8_t *parts = NULL;
+#if VW == 16 && defined(QUANT_X86)
+    if (x24 && qtype == Q4_1R && (parts = aligned_alloc(64, x24_bytes(M, K) + 64)))
+        x24_split(x, M, ldx, K, parts);
+#else
+    (void)x24;
+#endif
     /* split only a call of about 50 us or more: each split call wakes the sleeping OpenMP
      * worker, which costs tens of us. At one row this leaves SmolLM2's qkv and o projections
      * on one thread and splits gate_up, down and the head. With every call split a step took
@@ -147,8 +172,10 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        FN(fused_range)(x, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias, out, ldo);
+        FN(fused_or_x24)(x, parts, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias,
+                           out, ldo);
     }
+    free(parts);
     free(xs);
     return 0;
 }
@@ -159,9 +186,16 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
  * end (nowait): the caller waits once after the ranges of a projection. */
 static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
                              const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
-                             const float *bias, float *out, int64_t ldo, int nt) {
+                             const float *bias, float *out, int64_t ldo, int nt, int x24) {
     float xs[2 * FUSED_ROWS * TEAM_MAX_K / 32];
     FN(block_sums)(x, M, ldx, K / 32, qtype, xs);
+    uint8_t *parts = NULL; /* each thread splits x itself: a few hundred ns, no barrier */
+#if VW == 16 && defined(QUANT_X86)
+    if (x24 && qtype == Q4_1R && (parts = x24_scratch(x24_bytes(M, K))))
+        x24_split(x, M, ldx, K, parts);
+#else
+    (void)x24;
+#endif
     /* two chunks a thread, not qlinear_fused's eight: a thread streams longer runs of rows
      * (its prefetches run ahead within a chunk), and one stolen chunk still evens out a
      * thread preempted late. SmolLM2, one row, 2 threads, the layers of a step: 3.75 ms
@@ -171,16 +205,18 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        FN(fused_range)(x, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias, out, ldo);
+        FN(fused_or_x24)(x, parts, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias,
+                           out, ldo);
     }
 }
 
 /* Few rows: the fused path where the type has a kernel for M rows, else the decode path */
 static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                        int64_t N, int64_t row_bytes, int qtype, const float *scale,
-                       const float *bias, float *out, int64_t ldo, int threads) {
+                       const float *bias, float *out, int64_t ldo, int threads, int x24) {
     if (M <= FN(fused_rows)(qtype))
-        return FN(qlinear_fused)(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+        return FN(qlinear_fused)(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads,
+                                 x24);
     const int64_t kp = (K + 15) / 16 * 16, panels = (N + NR - 1) / NR;
     /* a few us of work a thread at least; dynamic chunks, several a thread, so the others
      * take the share of a thread another process preempts (the join still waits for it to

@@ -372,3 +372,52 @@ def test_fused_split_moves_the_threshold_and_changes_no_result() -> None:
         native_quant.set_fused_split(0)
     assert torch.equal(bits(split), bits(whole))
     assert_near(whole, quant.linear(x, w))
+
+
+@pytest.fixture
+def x24() -> Iterator[None]:
+    """quant_x24.c's kernel on (skipped where the CPU has no AVX512-VNNI or the ISA is
+    lowered: there `auto` keeps the fp32 fused kernel), restored after."""
+    if BEST != "avx512" or native_quant.set_int_isa(None) != "avx512-vnni":
+        pytest.skip("no AVX512-VNNI here")
+    assert native_quant.set_x24(None), "on by default"
+    yield
+    native_quant.set_x24(True)
+
+
+def test_x24_kernel_takes_auto_rows_of_q4_1r_near_exact(x24: None) -> None:
+    """1-4 rows of x against Q4_1R under `auto` (a small model's one stream) run x in 24-bit
+    fixed point as three signed bytes: within 3e-6 of the largest output of the reference
+    (the fp32 kernel's own rounding; 1e-4 is the exact paths' bound), at K of 18 blocks (a
+    partial group of four) and 48, an outlier in x, a bias, x and out at a stride, 2 threads.
+    Taken: its sums differ from the fp32 fused kernel's in the last bits, and with it off
+    `auto` gives the fp32 kernel's bits; the explicit exact mode never takes it. A NaN in x
+    makes every output NaN; an all-zero x gives zeros."""
+    gen = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n, k in ((3072, 576), (576, 1536), (37, 160)):
+            w = random_weight(quant.Q4_1R, n, k, seed=k)
+            bias = torch.randn(n, generator=gen)
+            for m in (1, 2, 3, 4):
+                x = torch.randn((m, k + 7), generator=gen)[:, 2 : 2 + k]
+                x[:, 5] *= 50.0
+                expected = quant.linear(x, w).double() + bias.double()
+                out = torch.full((m, n + 3), float("nan"))
+                got = native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="auto")
+                err = (got.double() - expected).abs().max().item()
+                assert err <= 3e-6 * expected.abs().max().item(), f"{n=} {k=} {m=} {err=}"
+                assert out[:, 0].isnan().all() and out[:, -2:].isnan().all(), "wrote outside"
+                fp32 = native_quant.linear(x, w, bias, activations="fp32")
+                assert not torch.equal(got, fp32), "auto: the x24 kernel"
+                native_quant.set_x24(False)
+                assert torch.equal(native_quant.linear(x, w, bias, activations="auto"), fp32)
+                native_quant.set_x24(True)
+        x[0, 3] = float("nan")
+        got = native_quant.linear(x, w, activations="auto")
+        assert got[0].isnan().all() and not got[1:].isnan().any()
+        assert torch.equal(native_quant.linear(torch.zeros(1, 160), w, activations="auto"),
+                           torch.zeros(1, 37))  # fmt: skip
+    finally:
+        torch.set_num_threads(before)

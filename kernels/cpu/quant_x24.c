@@ -1,0 +1,149 @@
+/* A few rows of fp32 x against Q4_1R on AVX512-VNNI, near-exact: each block of 32 of x is put
+ * in 24-bit fixed point (x = dx * v, |v| <= V24_MAX, dx = the block's largest |x| / V24_MAX)
+ * and v split into three signed bytes, v = 65536 h + 256 m + l, so the nibble products are
+ * integer dot products (vpdpbusd, 64 a instruction) exact in int32, and one conversion and
+ * fma scale four blocks. The fp32 fused kernel (quant_legacy.c fused_row_r) converts every
+ * nibble to float and spends some seven vector operations a block; this spends under four.
+ * Error: v's rounding, at most dx / 2 = 2^-24 of the block's largest |x| an element, the size
+ * of fp32's own rounding of x; against the dequantized reference a SmolLM2 row measures level
+ * with the fp32 kernel's (both ~1e-6). Blocks whose largest |x| is below 1e-30 count as zero,
+ * and a block holding an inf or NaN gives a NaN sum, as the fp32 kernels do.
+ *
+ * rf_qlinear and rf_qteam_linear take it for 1-4 rows of Q4_1R where the activations are not
+ * the explicit exact mode (RF_FP32_ACTS or the fp32 process default) and the CPU has
+ * AVX512-VNNI: `auto`'s choice for a small model's one stream (rf_qset_x24 turns it off).
+ * Included by quant.c before the ISA copies, under its own target. */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+#define V24_MAX 8323072.f /* 2^23 - 2^16: h stays within a signed byte */
+#define X24_GROUP 448   /* bytes of x's parts a group of 4 blocks: 6 x 64, 16 floats of dx */
+
+/* bytes of x24_split's output for M rows of K */
+static inline size_t x24_bytes(int64_t M, int64_t K) {
+    return (size_t)(M * ((K / 32 + 3) / 4) * X24_GROUP);
+}
+
+/* M rows of x into their parts: per row ceil(nb / 4) groups of six 64-byte vectors (h, m, l
+ * for the blocks' elements 0-15, then for 16-31: byte 16 j + e of a vector is element e of
+ * the group's block j, as a Q4_1R nibble vector holds them) and 16 floats (dx, lane 4 j + i
+ * for block j), blocks past the row zero */
+static void x24_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_t *out) {
+    const int64_t nb = K / 32, groups = (nb + 3) / 4;
+    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+    memset(out, 0, x24_bytes(M, K));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + 32 * b;
+            uint8_t *g = out + (m * groups + b / 4) * X24_GROUP;
+            const int j = (int)(b & 3);
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            float dx = amax / V24_MAX, inv = V24_MAX / amax;
+            if (!(amax <= 3.4e38f)) /* inf or NaN (max_ps may drop a NaN: look again) */
+                dx = __builtin_nanf(""), inv = 0.f;
+            else if (amax < 1e-30f)
+                dx = 0.f, inv = 0.f;
+            if (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
+                dx = __builtin_nanf(""), inv = 0.f;
+            _mm_storeu_ps((float *)(g + 384) + 4 * j, _mm_set1_ps(dx));
+            for (int half = 0; half < 2; half++) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(inv)));
+                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+                const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
+                const __m512i mm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
+                const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(r, mm), 8);
+                uint8_t *at = g + 64 * half + 16 * j;
+                _mm_storeu_si128((void *)at, _mm512_cvtepi32_epi8(h));
+                _mm_storeu_si128((void *)(at + 128), _mm512_cvtepi32_epi8(mm));
+                _mm_storeu_si128((void *)(at + 256), _mm512_cvtepi32_epi8(l));
+            }
+        }
+}
+
+/* which of 16 d's a group's lanes take: lane 4 j + i block j of group g of a 16-block step */
+static const int32_t X24_LANES[4][16] = {
+    {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
+    {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+    {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
+    {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+
+/* one Q4_1R row against mr rows of split x (xp, a row's parts every `stride` bytes) and x's
+ * block sums xs (xs[m nb + b], for the m terms, in fp32 as fused_row_r's) */
+static inline __attribute__((always_inline)) void x24_row(
+    const int mr, const uint8_t *xp, int64_t stride, int64_t nb, const float *xs,
+    const uint8_t *row, float s[4]) {
+    __m512 a[4], e[4];
+    for (int m = 0; m < mr; m++) a[m] = e[m] = _mm512_setzero_ps();
+    const uint8_t *qs = row + 4 * nb;
+    const __m512i low = _mm512_set1_epi8(15);
+    __builtin_prefetch(row + 4096), __builtin_prefetch(row + 4096 + 64);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int cnt = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, row + 2 * b0));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, row + 2 * (nb + b0)));
+        for (int m = 0; m < mr; m++)
+            e[m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(keep, xs + m * nb + b0), e[m]);
+        for (int g = 0; 4 * g < cnt; g++) {
+            const int64_t G = b0 / 4 + g;
+            const int left = cnt - 4 * g;
+            const __m512i v = left >= 4 ? _mm512_loadu_si512(qs + 64 * G)
+                                        : _mm512_maskz_loadu_epi8((1ull << (16 * left)) - 1,
+                                                                  qs + 64 * G);
+            if ((g & 1) == 0) __builtin_prefetch(qs + 64 * G + 2048);
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const __m512 d = _mm512_permutexvar_ps(_mm512_loadu_si512(X24_LANES[g]), dv);
+            for (int m = 0; m < mr; m++) {
+                const uint8_t *p = xp + m * stride + G * X24_GROUP;
+                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p));
+                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 64));
+                acc = _mm512_slli_epi32(acc, 8);
+                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 128));
+                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 192));
+                acc = _mm512_slli_epi32(acc, 8);
+                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 256));
+                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 320));
+                const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps((const float *)(p + 384)));
+                a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, a[m]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++) s[m] = _mm512_reduce_add_ps(a[m]) + _mm512_reduce_add_ps(e[m]);
+}
+
+/* out[:, r .. end] of M (1-4) rows of split x (xp: x24_split's) against Q4_1R rows of w */
+static void x24_range(const uint8_t *xp, int64_t M, int64_t K, const float *xs,
+                        const uint8_t *w, int64_t r, int64_t end, int64_t row_bytes,
+                        const float *bias, float *out, int64_t ldo) {
+    const int64_t nb = K / 32, stride = (nb + 3) / 4 * X24_GROUP;
+    float s[4];
+    for (; r < end; r++) {
+        const uint8_t *p = w + r * row_bytes;
+        switch (M) {
+        case 4: x24_row(4, xp, stride, nb, xs, p, s); break;
+        case 3: x24_row(3, xp, stride, nb, xs, p, s); break;
+        case 2: x24_row(2, xp, stride, nb, xs, p, s); break;
+        default: x24_row(1, xp, stride, nb, xs, p, s); break;
+        }
+        for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
+    }
+}
+
+/* a thread's buffer for x24_split's parts, grown as needed and kept (the team's calls, one a
+ * projection, would otherwise allocate every time); NULL if it cannot grow */
+static uint8_t *x24_scratch(size_t bytes) {
+    static __thread uint8_t *buf;
+    static __thread size_t size;
+    if (bytes > size) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        size = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+#pragma GCC pop_options
