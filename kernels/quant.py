@@ -25,16 +25,16 @@ import torch
 import torch.nn.functional as F
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
-I8, Q4G128, Q4_1R = 1000, 1001, 1002
+I8, Q4G128, Q4_1R, Q8_0R = 1000, 1001, 1002, 1003
 BLOCK = {  # qtype: (weights per block, bytes per block)
     F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
     Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
-    I8: (1, 1), Q4G128: (128, 72), Q4_1R: (32, 20),
+    I8: (1, 1), Q4G128: (128, 72), Q4_1R: (32, 20), Q8_0R: (32, 34),
 }  # fmt: skip
 NAMES = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
     Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", I8: "I8",
-    Q4G128: "Q4G128", Q4_1R: "Q4_1R",
+    Q4G128: "Q4G128", Q4_1R: "Q4_1R", Q8_0R: "Q8_0R",
 }  # fmt: skip
 GGUF_QUANTIZE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 
@@ -146,29 +146,39 @@ def _blocks(b: torch.Tensor, qtype: int) -> torch.Tensor:
     raise ValueError(f"no block formula for qtype {qtype}")
 
 
+REPACKED = {Q4_1: Q4_1R, Q8_0: Q8_0R}  # a file's type -> its rearranged form
+UNPACKED = {v: k for k, v in REPACKED.items()}
+
+
 def repack(w: QuantWeight) -> QuantWeight:
-    """A Q4_1 weight as Q4_1R (the same values; rows of [d x nb][m x nb][nibbles x nb])."""
-    assert w.qtype == Q4_1, w.name
+    """A Q4_1 weight as Q4_1R (rows of [d x nb][m x nb][nibbles x nb]) or a Q8_0 one as Q8_0R
+    ([d x nb][bytes x nb]): the same values, each block's parts apart in its row."""
+    assert w.qtype in REPACKED, w.name
     n, k = w.shape
-    b = w.data.view(n, k // 32, 20)
-    data = torch.cat([b[:, :, :2].reshape(n, -1), b[:, :, 2:4].reshape(n, -1),
-                      b[:, :, 4:].reshape(n, -1)], dim=1)  # fmt: skip
-    return QuantWeight(Q4_1R, data.contiguous(), (n, k))
+    size = BLOCK[w.qtype][1]
+    b = w.data.view(n, k // 32, size)
+    cuts = [0, 2, 4, size] if w.qtype == Q4_1 else [0, 2, size]
+    data = torch.cat([b[:, :, a:z].reshape(n, -1) for a, z in zip(cuts, cuts[1:])], dim=1)
+    return QuantWeight(REPACKED[w.qtype], data.contiguous(), (n, k))
 
 
 def unpack(w: QuantWeight) -> QuantWeight:
-    """A Q4_1R weight back in Q4_1's blocks."""
-    assert w.qtype == Q4_1R, w.name
+    """A Q4_1R or Q8_0R weight back in its file type's blocks."""
+    assert w.qtype in UNPACKED, w.name
     n, k = w.shape
     nb = k // 32
-    d, m, q = w.data[:, : 2 * nb], w.data[:, 2 * nb : 4 * nb], w.data[:, 4 * nb :]
-    blocks = torch.cat([d.reshape(n, nb, 2), m.reshape(n, nb, 2), q.reshape(n, nb, 16)], dim=2)
-    return QuantWeight(Q4_1, blocks.reshape(n, 20 * nb).contiguous(), (n, k))
+    widths = [2, 2, 16] if w.qtype == Q4_1R else [2, 32]
+    parts, at = [], 0
+    for width in widths:
+        parts.append(w.data[:, at : at + width * nb].reshape(n, nb, width))
+        at += width * nb
+    blocks = torch.cat(parts, dim=2)
+    return QuantWeight(UNPACKED[w.qtype], blocks.reshape(n, -1).contiguous(), (n, k))
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """(N, K) fp32, bit-exact with gguf.quants.dequantize for the GGUF types."""
-    if w.qtype == Q4_1R:
+    if w.qtype in UNPACKED:
         w = unpack(w)
     n, k = w.shape
     if w.qtype in (F32, F16, BF16):

@@ -59,7 +59,7 @@
 
 enum {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-    Q6_K = 14, BF16 = 30, I8 = 1000, Q4G128 = 1001, Q4_1R = 1002,
+    Q6_K = 14, BF16 = 30, I8 = 1000, Q4G128 = 1001, Q4_1R = 1002, Q8_0R = 1003,
 };
 #define NR 4 /* output rows per panel */
 
@@ -72,7 +72,7 @@ static void block_of(int qtype, int64_t *size, int64_t *bytes) {
     case Q4_1: case Q4_1R: *size = 32, *bytes = 20; return;
     case Q5_0: *size = 32, *bytes = 22; return;
     case Q5_1: *size = 32, *bytes = 24; return;
-    case Q8_0: *size = 32, *bytes = 34; return;
+    case Q8_0: case Q8_0R: *size = 32, *bytes = 34; return;
     case Q4_K: *size = 256, *bytes = 144; return;
     case Q5_K: *size = 256, *bytes = 176; return;
     case Q6_K: *size = 256, *bytes = 210; return;
@@ -84,7 +84,8 @@ static void block_of(int qtype, int64_t *size, int64_t *bytes) {
 static int valid(int qtype, int64_t K, int64_t row_bytes, const float *scale) {
     int64_t size, bytes;
     block_of(qtype, &size, &bytes);
-    if (qtype == Q4_1R && row_bytes != K / 32 * 20) return 0; /* its layout spans the row */
+    /* their layouts span the row */
+    if ((qtype == Q4_1R || qtype == Q8_0R) && row_bytes != K / 32 * bytes) return 0;
     return size > 0 && K > 0 && K % size == 0 && row_bytes >= K / size * bytes &&
            (qtype != I8 || scale != NULL);
 }
@@ -269,11 +270,12 @@ int rf_qset_x24(int on) {
 }
 
 /* 1 where a fused call of M rows of a qtype (flags removed) under the resolved activation
- * flag `acts` takes quant_x24.c's kernel: Q4_1R, 1-4 rows, AVX-512 with VNNI, activations
+ * flag `acts` takes quant_x24.c's kernels: Q4_1R or Q8_0R, 1-4 rows, AVX-512 with VNNI, activations
  * fp32 but not the explicit exact mode (RF_FP32_ACTS, or no flag under the fp32 default) */
 static int x24_for(int acts, int qtype, int64_t M) {
 #ifdef QUANT_X86
-    if (qtype != Q4_1R || M < 1 || M > FUSED_ROWS || !rf_qset_x24(-1)) return 0;
+    if ((qtype != Q4_1R && qtype != Q8_0R) || M < 1 || M > FUSED_ROWS || !rf_qset_x24(-1))
+        return 0;
     if (isa() != ISA_AVX512 || rf_qset_int_isa(-1) != IDOT_VNNI512) return 0;
     if (acts == RF_FP32_ACTS || acts == RF_INT8_ACTS) return 0;
     return acts ? 1 : rf_qset_activations(-1) == 2;

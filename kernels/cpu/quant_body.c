@@ -35,6 +35,7 @@ static void FN(deq_row)(int qtype, const uint8_t *p, int64_t K, float scale, flo
     case Q5_0: FN(deq_q5)(p, K, out, 0); break;
     case Q5_1: FN(deq_q5)(p, K, out, 1); break;
     case Q8_0: FN(deq_q8_0)(p, K, out); break;
+    case Q8_0R: FN(deq_q8_0r)(p, K / 32, 0, K / 32, out); break;
     case Q4_K: FN(deq_qk)(p, K, out, 0); break;
     case Q5_K: FN(deq_qk)(p, K, out, 1); break;
     case Q6_K: FN(deq_q6_k)(p, K, out); break;

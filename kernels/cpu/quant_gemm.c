@@ -129,6 +129,10 @@ static inline void FN(fused_or_x24)(const float *x, const uint8_t *parts, int64_
                                       int64_t row_bytes, int qtype, const float *bias,
                                       float *out, int64_t ldo) {
 #if VW == 16 && defined(QUANT_X86)
+    if (parts && qtype == Q8_0R) {
+        x21_range(parts, M, K, w, r, end, row_bytes, bias, out, ldo);
+        return;
+    }
     if (parts) {
         x24_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
         return;
@@ -145,7 +149,7 @@ static inline int64_t FN(fused_chunk)(int64_t N, int nt) {
     return N / (8 * nt) > 4 ? N / (8 * nt) : 4;
 }
 
-/* x24: x's parts for quant_x24.c's kernels (Q4_1R on AVX512-VNNI), else NULL */
+/* x24: x's parts for quant_x24.c's kernels (Q4_1R, Q8_0R on AVX512-VNNI), else NULL */
 static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
                              const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
                              const float *bias, float *out, int64_t ldo, int threads, int x24) {
@@ -156,11 +160,16 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
     FN(block_sums)(x, M, ldx, nb, qtype, xs);
     uint8_t *parts = NULL;
 #if VW == 16 && defined(QUANT_X86)
-    if (x24 && qtype == Q4_1R && (parts = aligned_alloc(64, x24_bytes(M, K) + 64)))
-        x24_split(x, M, ldx, K, parts);
+    if (x24 && (qtype == Q4_1R || qtype == Q8_0R) &&
+        (parts = aligned_alloc(64, x24_bytes_of(qtype, M, K) + 64)))
+        x24_split_of(qtype, x, M, ldx, K, parts);
 #else
     (void)x24;
 #endif
+    if (qtype == Q8_0R && !parts) { /* it has no fused fp32 kernel: FN(qlinear) sent it here */
+        free(xs);
+        return -2;
+    }
     /* split only a call of about 50 us or more: each split call wakes the sleeping OpenMP
      * worker, which costs tens of us. At one row this leaves SmolLM2's qkv and o projections
      * on one thread and splits gate_up, down and the head. With every call split a step took
@@ -191,8 +200,9 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
     FN(block_sums)(x, M, ldx, K / 32, qtype, xs);
     uint8_t *parts = NULL; /* each thread splits x itself: a few hundred ns, no barrier */
 #if VW == 16 && defined(QUANT_X86)
-    if (x24 && qtype == Q4_1R && (parts = x24_scratch(x24_bytes(M, K))))
-        x24_split(x, M, ldx, K, parts);
+    if (x24 && (qtype == Q4_1R || qtype == Q8_0R) &&
+        (parts = x24_scratch(x24_bytes_of(qtype, M, K))))
+        x24_split_of(qtype, x, M, ldx, K, parts);
 #else
     (void)x24;
 #endif
@@ -214,7 +224,7 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
 static int FN(qlinear)(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                        int64_t N, int64_t row_bytes, int qtype, const float *scale,
                        const float *bias, float *out, int64_t ldo, int threads, int x24) {
-    if (M <= FN(fused_rows)(qtype))
+    if (M <= FN(fused_rows)(qtype) || (x24 && qtype == Q8_0R)) /* Q8_0R: x24's kernel only */
         return FN(qlinear_fused)(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads,
                                  x24);
     const int64_t kp = (K + 15) / 16 * 16, panels = (N + NR - 1) / NR;
@@ -332,6 +342,9 @@ static void FN(pack)(int qtype, const uint8_t *w, int64_t row_bytes, const float
                 int64_t n = n0 + g + r;
                 if (n < N && qtype == Q4_1R) /* its blocks' parts lie apart in the row */
                     FN(deq_q4_1r)(w + n * row_bytes, row_bytes / 20, k / 32, len / 32,
+                                  rows + r * DC);
+                else if (n < N && qtype == Q8_0R)
+                    FN(deq_q8_0r)(w + n * row_bytes, row_bytes / 34, k / 32, len / 32,
                                   rows + r * DC);
                 else if (n < N)
                     FN(deq_row)(qtype, w + n * row_bytes + k / size * bytes, len,

@@ -1,5 +1,5 @@
-/* GGUF's 32-weight block types, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, and Q4_1R (Q4_1 with a
- * row's d's, m's and nibble groups apart: kernels/quant.py's repack), in one ISA copy
+/* GGUF's 32-weight block types, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, and Q4_1R and Q8_0R (Q4_1
+ * and Q8_0 with a row's d's (m's) and quants apart: kernels/quant.py's repack), in one ISA copy
  * (quant_body.c): each type's dequantization of a row (the reference's formulas), then the
  * fused few-row kernels of Q4_0, Q4_1, Q8_0 (fused_row, fused_pair) and Q4_1R (fused_row_r).
  * Q5_0 and Q5_1 have none: a few rows of them take the decode path (quant_gemm.c). */
@@ -29,6 +29,15 @@ static inline void FN(deq_q4_1r)(const uint8_t *row, int64_t nb, int64_t b0, int
             st(out + c, FMA(vd, tof(v & 15), vm));
             st(out + 16 + c, FMA(vd, tof(v >> 4), vm));
         }
+    }
+}
+
+/* Q8_0R (kernels/quant.py): blocks b0 .. b0 + count of a row of nb, its d's then its bytes */
+static inline void FN(deq_q8_0r)(const uint8_t *row, int64_t nb, int64_t b0, int64_t count,
+                                 float *out) {
+    for (int64_t b = b0; b < b0 + count; b++, out += 32) {
+        const float d = half(row + 2 * b);
+        for (int c = 0; c < 32; c += VW) st(out + c, tof(FN(ldsb)(row + 2 * nb + 32 * b + c)) * d);
     }
 }
 

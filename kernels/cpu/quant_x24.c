@@ -195,6 +195,152 @@ static void x24_range(const uint8_t *xp, int64_t M, int64_t K, const float *xs,
     }
 }
 
+/* ---- Q8_0R: signed weights ----
+ * vpdpbusd multiplies unsigned by signed bytes: the weights go in as q + 128 (one xor) and
+ * 128 times the sum of x's values under each lane comes off after. With q + 128 up to 255
+ * and four products a lane, |v| stays below 2^21 (X21_MAX), not 2^23, so the lane sums stay
+ * in int32: 2^-22 of the block's largest |x| an element, 8 times x24's; against the
+ * dequantized reference a few times the fp32 kernel's error, some 1e-6 of the largest
+ * output. */
+
+#define X21_MAX 2080768.f /* 2^21 - 2^14: 4 x 255 x X21_MAX < 2^31 */
+#define X21_PAIR 320      /* bytes of x's parts a pair of blocks: 3 x 64, 16 int32, 16 floats */
+
+static inline size_t x21_bytes(int64_t M, int64_t K) {
+    return (size_t)(M * ((K / 32 + 1) / 2) * X21_PAIR);
+}
+
+/* M rows of x into their parts: per row ceil(nb / 2) pairs of blocks, each three 64-byte
+ * vectors (h, m, l of v, the pair's 64 elements in order, as a Q8_0R row holds its bytes),
+ * 16 int32 (128 times the sum of v over lane i's four elements) and 16 floats (dx, lanes
+ * 0-7 the first block's, 8-15 the second's), a missing second block zero */
+static void x21_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_t *out) {
+    const int64_t nb = K / 32, pairs = (nb + 1) / 2;
+    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+    memset(out, 0, x21_bytes(M, K));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * ldx + 32 * b;
+            uint8_t *g = out + (m * pairs + b / 2) * X21_PAIR;
+            const int j = (int)(b & 1);
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+            float dx = amax / X21_MAX, inv = X21_MAX / amax;
+            if (!(amax <= 3.4e38f) || _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) ||
+                _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
+                dx = __builtin_nanf(""), inv = 0.f; /* inf or NaN: a NaN sum */
+            else if (amax < 1e-30f)
+                dx = 0.f, inv = 0.f;
+            _mm256_storeu_ps((float *)(g + 256) + 8 * j, _mm256_set1_ps(dx));
+            for (int half = 0; half < 2; half++) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(inv)));
+                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+                const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
+                const __m512i mm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
+                const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(r, mm), 8);
+                uint8_t *at = g + 32 * j + 16 * half;
+                _mm_storeu_si128((void *)at, _mm512_cvtepi32_epi8(h));
+                _mm_storeu_si128((void *)(at + 64), _mm512_cvtepi32_epi8(mm));
+                _mm_storeu_si128((void *)(at + 128), _mm512_cvtepi32_epi8(l));
+                /* lane sums of four: int32 lanes 8 j + 4 half + i, i < 4 */
+                int32_t vs[16], *corr = (int32_t *)(g + 192) + 8 * j + 4 * half;
+                _mm512_storeu_si512(vs, v);
+                for (int i = 0; i < 4; i++)
+                    corr[i] = 128 * (vs[4 * i] + vs[4 * i + 1] + vs[4 * i + 2] + vs[4 * i + 3]);
+            }
+        }
+}
+
+/* which of 16 d's a pair's lanes take: lanes 0-7 block 2 p, 8-15 block 2 p + 1 */
+static const int32_t X21_LANES[8][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+    {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+    {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},
+    {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
+    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+
+/* nw (1 or 2) Q8_0R rows (row, row + row_bytes) against mr rows of split x, nw * mr <= 4 */
+static inline __attribute__((always_inline)) void x21_rows(
+    const int nw, const int mr, const uint8_t *xp, int64_t stride, int64_t nb,
+    const uint8_t *row, int64_t row_bytes, float *s) {
+    __m512 a[4];
+    for (int i = 0; i < nw * mr; i++) a[i] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int w = 0; w < nw; w++) __builtin_prefetch(row + w * row_bytes + 4096);
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int cnt = nb - b0 < 16 ? (int)(nb - b0) : 16;
+        const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
+        __m512 dv[2];
+        for (int w = 0; w < nw; w++)
+            dv[w] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, row + w * row_bytes + 2 * b0));
+        for (int g = 0; 2 * g < cnt; g++) {
+            const int64_t P = b0 / 2 + g;
+            const __mmask64 part = cnt - 2 * g >= 2 ? ~0ull : 0xffffffffull;
+            const __m512i lanes = _mm512_loadu_si512(X21_LANES[g]);
+            __m512i u[2];
+            for (int w = 0; w < nw; w++) {
+                const uint8_t *q = row + w * row_bytes + 2 * nb + 64 * P;
+                __builtin_prefetch(q + X24_AHEAD);
+                u[w] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(part, q), flip);
+            }
+            for (int m = 0; m < mr; m++) {
+                const uint8_t *p = xp + m * stride + P * X21_PAIR;
+                const __m512i h = _mm512_loadu_si512(p), mm = _mm512_loadu_si512(p + 64);
+                const __m512i l = _mm512_loadu_si512(p + 128), corr = _mm512_loadu_si512(p + 192);
+                const __m512 dx = _mm512_loadu_ps((const float *)(p + 256));
+                for (int w = 0; w < nw; w++) {
+                    __m512i acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[w], h), 8);
+                    acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(acc, u[w], mm), 8);
+                    acc = _mm512_sub_epi32(_mm512_dpbusd_epi32(acc, u[w], l), corr);
+                    const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(lanes, dv[w]), dx);
+                    a[w * mr + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, a[w * mr + m]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nw * mr; i++) s[i] = _mm512_reduce_add_ps(a[i]);
+}
+
+/* out[:, r .. end] of M (1-4) rows of split x (x21_split's) against Q8_0R rows of w */
+static void x21_range(const uint8_t *xp, int64_t M, int64_t K, const uint8_t *w, int64_t r,
+                      int64_t end, int64_t row_bytes, const float *bias, float *out,
+                      int64_t ldo) {
+    const int64_t nb = K / 32, stride = (nb + 1) / 2 * X21_PAIR;
+    float s[4];
+    if (M == 1)
+        for (; r + 2 <= end; r += 2) {
+            x21_rows(2, 1, xp, stride, nb, w + r * row_bytes, row_bytes, s);
+            out[r] = bias ? s[0] + bias[r] : s[0];
+            out[r + 1] = bias ? s[1] + bias[r + 1] : s[1];
+        }
+    for (; r < end; r++) {
+        const uint8_t *p = w + r * row_bytes;
+        switch (M) {
+        case 4: x21_rows(1, 4, xp, stride, nb, p, row_bytes, s); break;
+        case 3: x21_rows(1, 3, xp, stride, nb, p, row_bytes, s); break;
+        case 2: x21_rows(1, 2, xp, stride, nb, p, row_bytes, s); break;
+        default: x21_rows(1, 1, xp, stride, nb, p, row_bytes, s); break;
+        }
+        for (int64_t m = 0; m < M; m++) out[m * ldo + r] = bias ? s[m] + bias[r] : s[m];
+    }
+}
+
+/* the parts' bytes, split and range of a type these kernels take (Q4_1R, Q8_0R) */
+static inline size_t x24_bytes_of(int qtype, int64_t M, int64_t K) {
+    return qtype == Q8_0R ? x21_bytes(M, K) : x24_bytes(M, K);
+}
+static inline void x24_split_of(int qtype, const float *x, int64_t M, int64_t ldx, int64_t K,
+                                uint8_t *out) {
+    if (qtype == Q8_0R)
+        x21_split(x, M, ldx, K, out);
+    else
+        x24_split(x, M, ldx, K, out);
+}
+
 /* a thread's buffer for x24_split's parts, grown as needed and kept (the team's calls, one a
  * projection, would otherwise allocate every time); NULL if it cannot grow */
 static uint8_t *x24_scratch(size_t bytes) {

@@ -18,6 +18,8 @@ registers against fp32 x: the fp32 reference's result up to the order of the add
 - `QuantEmbedding` looks rows up from the same blocks; a tied LM head multiplies from them.
 - Q4_1 projections are held as Q4_1R (`quant.repack`: a row's d's, m's and nibbles apart, the
   same bytes) where the kernel runs AVX-512: its one-row kernel reads that 1.1-1.2x faster.
+  Under a small model's `auto` on AVX512-VNNI, Q8_0 weights (SmolLM2's tied head) are held
+  as Q8_0R (d's and bytes apart) for the x24 kernels (`set_activations`).
 - Where the native library cannot be built, each call takes the reference (dequantize +
   F.linear): slower, same numbers.
 """
@@ -154,9 +156,10 @@ class QuantLinear(nn.Module):
 
     @property
     def types(self) -> list[str]:
-        """The block types as the file stores them (Q4_1R is Q4_1's values, rearranged)."""
+        """The block types as the file stores them (Q4_1R and Q8_0R are Q4_1's and Q8_0's
+        values, rearranged)."""
         names = [p.name if isinstance(p, quant.QuantWeight) else "F32" for p in self.parts]
-        return ["Q4_1" if name == "Q4_1R" else name for name in names]
+        return [{"Q4_1R": "Q4_1", "Q8_0R": "Q8_0"}.get(name, name) for name in names]
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 (out, in) weight: the reference's matrix."""
@@ -261,8 +264,35 @@ def set_activations(model: nn.Module, mode: str) -> None:
     layers = list(quant_layers(model))
     if mode == "auto" and sum(m.in_features * m.out_features for m in layers) >= BIG_MODEL_PARAMS:
         mode = "auto-big"
+    q8_0r = mode == "auto" and _x24_kernels()
     for m in layers:
         m.activations = mode
+        m.parts = [_q8_0_held(p, q8_0r) for p in m.parts]
+
+
+def _x24_kernels() -> bool:
+    """Whether the 24-bit fixed-point one-row kernels run here (`native.set_x24`: AVX-512
+    with VNNI, not turned off)"""
+    return (
+        native.isa() == "avx512"
+        and native.set_int_isa(None) == "avx512-vnni"
+        and native.set_x24(None)
+    )
+
+
+def _q8_0_held(part: Part, repacked: bool) -> Part:
+    """A Q8_0 part as Q8_0R (its d's and bytes apart: a copy) where `repacked`, else as the
+    file's Q8_0. Q8_0R is the x24 kernels' layout (kernels/cpu/quant_x24.c: SmolLM2's tied
+    head 1.5x the fp32 kernel at one row); only a small model's `auto` takes it: its int8 and
+    exact modes have no Q8_0R kernel of their own, and a big model would hold a copy of its
+    Q8_0 weights."""
+    if not isinstance(part, quant.QuantWeight):
+        return part
+    if repacked and part.qtype == quant.Q8_0:
+        return quant.repack(part)
+    if not repacked and part.qtype == quant.Q8_0R:
+        return quant.unpack(part)
+    return part
 
 
 def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:

@@ -27,7 +27,7 @@ GGUF_TYPES = [
     quant.F16, quant.BF16, quant.Q4_0, quant.Q4_1, quant.Q5_0, quant.Q5_1, quant.Q8_0,
     quant.Q4_K, quant.Q5_K, quant.Q6_K,
 ]  # fmt: skip
-ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128, quant.Q4_1R]
+ALL_TYPES = [*GGUF_TYPES, quant.I8, quant.Q4G128, quant.Q4_1R, quant.Q8_0R]
 LIB = native_quant.library()
 BEST = native_quant.isa()  # before any test lowers it
 PANEL_ROWS = {"avx512": 16, "avx2": 12}  # quant.c's measured thresholds
@@ -65,8 +65,9 @@ def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> quant.QuantWeigh
         scales = (torch.rand((n, k // 128), generator=gen) * 0.02).half().float()
         zeros = torch.randint(0, 16, (n, k // 128), generator=gen).float()
         return quant.from_groups(q, scales, zeros)
-    if qtype == quant.Q4_1R:
-        return quant.repack(quant.quantize(torch.randn((n, k), generator=gen), quant.Q4_1))
+    if qtype in quant.UNPACKED:
+        file_type = quant.UNPACKED[qtype]
+        return quant.repack(quant.quantize(torch.randn((n, k), generator=gen), file_type))
     return quant.quantize(torch.randn((n, k), generator=gen), qtype)
 
 
@@ -103,15 +104,23 @@ def test_quantize_round_trips_within_a_step(qtype: int) -> None:
     assert 0 < err < step * weight.abs().max(), f"{quant.NAMES[qtype]}: {err=}"
 
 
-def test_q4_1r_is_q4_1_rearranged() -> None:
-    """repack keeps every byte (its d's, m's, then nibble groups a row); unpack undoes it; the
-    values are Q4_1's bit for bit."""
+def test_repacked_types_are_the_file_types_rearranged() -> None:
+    """repack keeps every byte (a row's d's, Q4_1's m's, then the quants); unpack undoes it;
+    the values are Q4_1's and Q8_0's bit for bit."""
     w = quant.quantize(torch.randn((5, 96)), quant.Q4_1)
     r = quant.repack(w)
     assert r.qtype == quant.Q4_1R and r.data.shape == w.data.shape
     blocks = w.data.view(5, 3, 20)
     assert torch.equal(r.data[:, :6], blocks[:, :, :2].reshape(5, 6))  # the d's
     assert torch.equal(r.data[:, 12:28], blocks[:, 0, 4:])  # the first block's nibbles
+    assert torch.equal(quant.unpack(r).data, w.data)
+    assert torch.equal(bits(quant.dequantize(r)), bits(quant.dequantize(w)))
+    w = quant.quantize(torch.randn((5, 96)), quant.Q8_0)
+    r = quant.repack(w)
+    assert r.qtype == quant.Q8_0R and r.data.shape == w.data.shape
+    blocks = w.data.view(5, 3, 34)
+    assert torch.equal(r.data[:, :6], blocks[:, :, :2].reshape(5, 6))  # the d's
+    assert torch.equal(r.data[:, 38:70], blocks[:, 1, 2:])  # the second block's bytes
     assert torch.equal(quant.unpack(r).data, w.data)
     assert torch.equal(bits(quant.dequantize(r)), bits(quant.dequantize(w)))
 
@@ -385,20 +394,21 @@ def x24() -> Iterator[None]:
     native_quant.set_x24(True)
 
 
-def test_x24_kernel_takes_auto_rows_of_q4_1r_near_exact(x24: None) -> None:
-    """1-4 rows of x against Q4_1R under `auto` (a small model's one stream) run x in 24-bit
-    fixed point as three signed bytes: within 3e-6 of the largest output of the reference
-    (the fp32 kernel's own rounding; 1e-4 is the exact paths' bound), at K of 18 blocks (a
-    partial group of four) and 48, an outlier in x, a bias, x and out at a stride, 2 threads.
-    Taken: its sums differ from the fp32 fused kernel's in the last bits, and with it off
-    `auto` gives the fp32 kernel's bits; the explicit exact mode never takes it. A NaN in x
-    makes every output NaN; an all-zero x gives zeros."""
+@pytest.mark.parametrize("qtype", [quant.Q4_1R, quant.Q8_0R], ids=quant.NAMES.get)
+def test_x24_kernels_take_auto_rows_near_exact(x24: None, qtype: int) -> None:
+    """1-4 rows of x against Q4_1R or Q8_0R under `auto` (a small model's one stream) run x in
+    fixed point as three signed bytes (24 bits, 22 for Q8_0R): within 3e-6 of the largest
+    output of the reference (the fp32 kernel's rounding is ~1e-6; 1e-4 is the exact paths'
+    bound), at K of 18 blocks (partial groups of four and of two), 48 and 5, an outlier in
+    x, a bias, x and out at a stride, 2 threads. Taken: its sums differ from the exact mode's
+    in the last bits, and with it off `auto` gives the fp32 kernels' bits; the explicit
+    exact mode never takes it. A NaN in x makes that row's outputs NaN; a zero x gives zeros."""
     gen = torch.Generator().manual_seed(11)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for n, k in ((3072, 576), (576, 1536), (37, 160)):
-            w = random_weight(quant.Q4_1R, n, k, seed=k)
+            w = random_weight(qtype, n, k, seed=k)
             bias = torch.randn(n, generator=gen)
             for m in (1, 2, 3, 4):
                 x = torch.randn((m, k + 7), generator=gen)[:, 2 : 2 + k]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import CHAT_PROMPTS, chat
+from radixflow.kernels.cpu import quant as native
 from radixflow.kernels.quant import NAMES
 from radixflow.runtime.models import progress, quantized
 from radixflow.runtime.models.layers import ForwardBatch
@@ -119,22 +120,33 @@ def test_the_reference_path_is_plain_fp32(reference):
 def test_auto_takes_int8_batches_from_a_big_models_size(engine, monkeypatch):
     """`auto` resolves per model: SmolLM2 (1.3e8 weights) keeps it (its 32-block types
     exact at every row count); from BIG_MODEL_PARAMS weights it becomes "auto-big" (int8
-    activations for calls of more than 4 rows: kernels test_qdot.py holds what that does)."""
+    activations for calls of more than 4 rows: kernels test_qdot.py holds what that does).
+    A small model's `auto`, where the x24 kernels run, holds the Q8_0 head as Q8_0R (the
+    embedding keeps the file's blocks; `types` still names the file's); any other mode,
+    Q8_0."""
     model = engine._loaded.model
     layers = quantized.quant_layers(model)
-    before = [m.activations for m in layers]
+    before = {m.activations for m in layers}
     weights = sum(m.in_features * m.out_features for m in layers)
+    x24 = native.isa() == "avx512" and native.set_int_isa(None) == "avx512-vnni"
+
+    def head() -> str:
+        return NAMES[model.quant_head.parts[0].qtype]
+
     try:
         quantized.set_activations(model, "auto")
         assert {m.activations for m in layers} == {"auto"}
+        assert head() == ("Q8_0R" if x24 else "Q8_0") and model.quant_head.types == ["Q8_0"]
+        assert NAMES[model.embed_tokens.weight_q.qtype] == "Q8_0"
         monkeypatch.setattr(quantized, "BIG_MODEL_PARAMS", weights)
         quantized.set_activations(model, "auto")
-        assert {m.activations for m in layers} == {"auto-big"}
+        assert {m.activations for m in layers} == {"auto-big"} and head() == "Q8_0"
         quantized.set_activations(model, "fp32")  # an explicit mode is kept whatever the size
-        assert {m.activations for m in layers} == {"fp32"}
+        assert {m.activations for m in layers} == {"fp32"} and head() == "Q8_0"
     finally:
-        for m, mode in zip(layers, before):
-            m.activations = mode
+        (mode,) = before
+        monkeypatch.undo()
+        quantized.set_activations(model, mode)
 
 
 def test_single_streams_take_the_compiled_decode_loop(engine):
