@@ -66,6 +66,17 @@ static void x24_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_t
         }
 }
 
+/* the sums of two vectors' lanes, s[0] of a and s[1] of b, in one reduction tree */
+static inline void x24_sum2(__m512 a, __m512 b, float s[2]) {
+    /* lanes 0-7: a's halves added, 8-15: b's */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xb1)); /* 128-bit quarters: 0+1, 2+3 */
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e));       /* pairs of lanes */
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));       /* neighbours */
+    s[0] = _mm512_cvtss_f32(t);
+    s[1] = _mm512_cvtss_f32(_mm512_castps128_ps512(_mm512_extractf32x4_ps(t, 2)));
+}
+
 /* which of 16 d's a group's lanes take: lane 4 j + i block j of group g of a 16-block step */
 static const int32_t X24_LANES[4][16] = {
     {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3},
@@ -168,7 +179,7 @@ static inline __attribute__((always_inline)) void x24_pair(
 #undef X24_DOT
         }
     }
-    s[0] = _mm512_reduce_add_ps(a0), s[1] = _mm512_reduce_add_ps(a1);
+    x24_sum2(a0, a1, s);
 }
 
 /* out[:, r .. end] of M (1-4) rows of split x (xp: x24_split's) against Q4_1R rows of w */
@@ -302,7 +313,10 @@ static inline __attribute__((always_inline)) void x21_rows(
             }
         }
     }
-    for (int i = 0; i < nw * mr; i++) s[i] = _mm512_reduce_add_ps(a[i]);
+    if (nw * mr == 2)
+        x24_sum2(a[0], a[1], s);
+    else
+        for (int i = 0; i < nw * mr; i++) s[i] = _mm512_reduce_add_ps(a[i]);
 }
 
 /* out[:, r .. end] of M (1-4) rows of split x (x21_split's) against Q8_0R rows of w */
