@@ -28,41 +28,51 @@ static inline size_t x24_bytes(int64_t M, int64_t K) {
     return (size_t)(M * ((K / 32 + 3) / 4) * X24_GROUP);
 }
 
+/* a block of 32 of x (x0, x1) in fixed point: v[half] = x / dx rounded, |v| <= vmax, dx =
+ * the block's largest |x| / vmax; NaN where the block holds an inf or NaN (so its sums are),
+ * 0 where its largest |x| is below 1e-30 (the block counts as zero) */
+static inline float fixed_block(__m512 x0, __m512 x1, float vmax, __m512i v[2]) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    float dx = amax / vmax, inv = vmax / amax;
+    /* inf or NaN (max_ps may drop a NaN: look again) */
+    if (!(amax <= 3.4e38f) || _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) ||
+        _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
+        dx = __builtin_nanf(""), inv = 0.f;
+    else if (amax < 1e-30f)
+        dx = 0.f, inv = 0.f;
+    v[0] = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+    v[1] = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+    return dx;
+}
+
+/* v = 65536 h + 256 m + l, each a signed byte: stored 16 bytes each at at, at + gap, at + 2 gap */
+static inline void split_bytes(__m512i v, uint8_t *at, int gap) {
+    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+    const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+    const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
+    const __m512i m = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
+    const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(r, m), 8);
+    _mm_storeu_si128((void *)at, _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128((void *)(at + gap), _mm512_cvtepi32_epi8(m));
+    _mm_storeu_si128((void *)(at + 2 * gap), _mm512_cvtepi32_epi8(l));
+}
+
 /* M rows of x into their parts: per row ceil(nb / 4) groups of six 64-byte vectors (h, m, l
  * for the blocks' elements 0-15, then for 16-31: byte 16 j + e of a vector is element e of
  * the group's block j, as a Q4_1R nibble vector holds them) and 16 floats (dx, lane 4 j + i
  * for block j), blocks past the row zero */
 static void x24_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_t *out) {
     const int64_t nb = K / 32, groups = (nb + 3) / 4;
-    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
     memset(out, 0, x24_bytes(M, K));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + 32 * b;
             uint8_t *g = out + (m * groups + b / 4) * X24_GROUP;
             const int j = (int)(b & 3);
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            const float amax = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            float dx = amax / V24_MAX, inv = V24_MAX / amax;
-            if (!(amax <= 3.4e38f)) /* inf or NaN (max_ps may drop a NaN: look again) */
-                dx = __builtin_nanf(""), inv = 0.f;
-            else if (amax < 1e-30f)
-                dx = 0.f, inv = 0.f;
-            if (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
-                dx = __builtin_nanf(""), inv = 0.f;
+            __m512i v[2];
+            const float dx = fixed_block(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16), V24_MAX, v);
             _mm_storeu_ps((float *)(g + 384) + 4 * j, _mm_set1_ps(dx));
-            for (int half = 0; half < 2; half++) {
-                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(inv)));
-                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
-                const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
-                const __m512i mm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
-                const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(r, mm), 8);
-                uint8_t *at = g + 64 * half + 16 * j;
-                _mm_storeu_si128((void *)at, _mm512_cvtepi32_epi8(h));
-                _mm_storeu_si128((void *)(at + 128), _mm512_cvtepi32_epi8(mm));
-                _mm_storeu_si128((void *)(at + 256), _mm512_cvtepi32_epi8(l));
-            }
+            for (int half = 0; half < 2; half++) split_bytes(v[half], g + 64 * half + 16 * j, 128);
         }
 }
 
@@ -84,6 +94,22 @@ static const int32_t X24_LANES[4][16] = {
     {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
     {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
 
+/* sum q v of a group's lanes (8 products each), q the nibbles of v (4 blocks of Q4_1R: low
+ * nibbles elements 0-15, high 16-31), v x's parts at p (h, m, l; each elements 0-15 then
+ * 16-31): the high parts' sums shifted up 8 bits before the next part's are added */
+static inline __m512i x24_dot(__m512i q, const uint8_t *p) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_and_si512(q, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p));
+    acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 64)), 8);
+    acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 128)), hi,
+                              _mm512_loadu_si512(p + 192));
+    acc = _mm512_slli_epi32(acc, 8);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 256)), hi,
+                               _mm512_loadu_si512(p + 320));
+}
+
 /* one Q4_1R row against mr rows of split x (xp, a row's parts every `stride` bytes) and x's
  * block sums xs (xs[m nb + b], for the m terms, in fp32 as fused_row_r's) */
 static inline __attribute__((always_inline)) void x24_row(
@@ -92,7 +118,6 @@ static inline __attribute__((always_inline)) void x24_row(
     __m512 a[4], e[4];
     for (int m = 0; m < mr; m++) a[m] = e[m] = _mm512_setzero_ps();
     const uint8_t *qs = row + 4 * nb;
-    const __m512i low = _mm512_set1_epi8(15);
     __builtin_prefetch(row + 4096), __builtin_prefetch(row + 4096 + 64);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int cnt = nb - b0 < 16 ? (int)(nb - b0) : 16;
@@ -108,19 +133,10 @@ static inline __attribute__((always_inline)) void x24_row(
                                         : _mm512_maskz_loadu_epi8((1ull << (16 * left)) - 1,
                                                                   qs + 64 * G);
             __builtin_prefetch(qs + 64 * G + X24_AHEAD);
-            const __m512i lo = _mm512_and_si512(v, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             const __m512 d = _mm512_permutexvar_ps(_mm512_loadu_si512(X24_LANES[g]), dv);
             for (int m = 0; m < mr; m++) {
                 const uint8_t *p = xp + m * stride + G * X24_GROUP;
-                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(p));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 64));
-                acc = _mm512_slli_epi32(acc, 8);
-                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 128));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 192));
-                acc = _mm512_slli_epi32(acc, 8);
-                acc = _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(p + 256));
-                acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(p + 320));
+                const __m512i acc = x24_dot(v, p);
                 const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps((const float *)(p + 384)));
                 a[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, a[m]);
             }
@@ -136,7 +152,6 @@ static inline __attribute__((always_inline)) void x24_pair(
     float s[2]) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0;
     const uint8_t *q0 = row + 4 * nb, *q1 = q0 + row_bytes, *row1 = row + row_bytes;
-    const __m512i low = _mm512_set1_epi8(15);
     __builtin_prefetch(row + 4096), __builtin_prefetch(row1 + 4096);
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int cnt = nb - b0 < 16 ? (int)(nb - b0) : 16;
@@ -157,26 +172,12 @@ static inline __attribute__((always_inline)) void x24_pair(
             __builtin_prefetch(q0 + 64 * G + X24_AHEAD);
             __builtin_prefetch(q1 + 64 * G + X24_AHEAD);
             const uint8_t *p = xp + G * X24_GROUP;
-            const __m512i h0 = _mm512_loadu_si512(p), h1 = _mm512_loadu_si512(p + 64);
-            const __m512i m0 = _mm512_loadu_si512(p + 128), m1 = _mm512_loadu_si512(p + 192);
-            const __m512i l0 = _mm512_loadu_si512(p + 256), l1 = _mm512_loadu_si512(p + 320);
             const __m512 dx = _mm512_loadu_ps((const float *)(p + 384));
             const __m512i lanes = _mm512_loadu_si512(X24_LANES[g]);
-#define X24_DOT(v, d, a)                                                                    \
-    do {                                                                                    \
-        const __m512i lo = _mm512_and_si512(v, low);                                        \
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                  \
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, h0);                  \
-        acc = _mm512_slli_epi32(_mm512_dpbusd_epi32(acc, hi, h1), 8);                       \
-        acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, m0), hi, m1);                \
-        acc = _mm512_slli_epi32(acc, 8);                                                    \
-        acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, l0), hi, l1);                \
-        const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(lanes, d), dx);            \
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, a);                             \
-    } while (0)
-            X24_DOT(v0, d0, a0);
-            X24_DOT(v1, d1, a1);
-#undef X24_DOT
+            a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x24_dot(v0, p)),
+                                 _mm512_mul_ps(_mm512_permutexvar_ps(lanes, d0), dx), a0);
+            a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(x24_dot(v1, p)),
+                                 _mm512_mul_ps(_mm512_permutexvar_ps(lanes, d1), dx), a1);
         }
     }
     x24_sum2(a0, a1, s);
@@ -227,36 +228,20 @@ static inline size_t x21_bytes(int64_t M, int64_t K) {
  * 0-7 the first block's, 8-15 the second's), a missing second block zero */
 static void x21_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_t *out) {
     const int64_t nb = K / 32, pairs = (nb + 1) / 2;
-    const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
     memset(out, 0, x21_bytes(M, K));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * ldx + 32 * b;
             uint8_t *g = out + (m * pairs + b / 2) * X21_PAIR;
             const int j = (int)(b & 1);
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            const float amax = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            float dx = amax / X21_MAX, inv = X21_MAX / amax;
-            if (!(amax <= 3.4e38f) || _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) ||
-                _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
-                dx = __builtin_nanf(""), inv = 0.f; /* inf or NaN: a NaN sum */
-            else if (amax < 1e-30f)
-                dx = 0.f, inv = 0.f;
+            __m512i v[2];
+            const float dx = fixed_block(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16), X21_MAX, v);
             _mm256_storeu_ps((float *)(g + 256) + 8 * j, _mm256_set1_ps(dx));
             for (int half = 0; half < 2; half++) {
-                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(inv)));
-                const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
-                const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, l), 8);
-                const __m512i mm = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
-                const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(r, mm), 8);
-                uint8_t *at = g + 32 * j + 16 * half;
-                _mm_storeu_si128((void *)at, _mm512_cvtepi32_epi8(h));
-                _mm_storeu_si128((void *)(at + 64), _mm512_cvtepi32_epi8(mm));
-                _mm_storeu_si128((void *)(at + 128), _mm512_cvtepi32_epi8(l));
+                split_bytes(v[half], g + 32 * j + 16 * half, 64);
                 /* lane sums of four: int32 lanes 8 j + 4 half + i, i < 4 */
                 int32_t vs[16], *corr = (int32_t *)(g + 192) + 8 * j + 4 * half;
-                _mm512_storeu_si512(vs, v);
+                _mm512_storeu_si512(vs, v[half]);
                 for (int i = 0; i < 4; i++)
                     corr[i] = 128 * (vs[4 * i] + vs[4 * i + 1] + vs[4 * i + 2] + vs[4 * i + 3]);
             }
