@@ -425,6 +425,7 @@ int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const flo
     const int mode = rf_qset_activations(-1), k_type = qtype == Q4_K || qtype == Q5_K ||
                                                        qtype == Q6_K;
     if (acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type)) return 0;
+    if (x24_for(acts, qtype, M)) return 1; /* Q8_0R has no fused fp32 kernel: x24's only */
     switch (isa()) {
     case ISA_AVX512: return M <= fused_rows_avx512(qtype);
     case ISA_AVX2: return M <= fused_rows_avx2(qtype);

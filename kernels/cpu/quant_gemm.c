@@ -206,6 +206,7 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
 #else
     (void)x24;
 #endif
+    const int lost = qtype == Q8_0R && !parts; /* no scratch (out of memory): NaN, not garbage */
     /* two chunks a thread, not qlinear_fused's eight: a thread streams longer runs of rows
      * (its prefetches run ahead within a chunk), and one stolen chunk still evens out a
      * thread preempted late. SmolLM2, one row, 2 threads, the layers of a step: 3.75 ms
@@ -215,8 +216,12 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        FN(fused_or_x24)(x, parts, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype, bias,
-                           out, ldo);
+        if (lost)
+            for (int64_t r = c * chunk; r < end; r++)
+                for (int64_t m = 0; m < M; m++) out[m * ldo + r] = __builtin_nanf("");
+        else
+            FN(fused_or_x24)(x, parts, M, ldx, K, xs, w, c * chunk, end, row_bytes, qtype,
+                             bias, out, ldo);
     }
 }
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from radixflow.kernels.cpu import decode_loop
 from radixflow.kernels.cpu import quant as native_quant
+from radixflow.kernels.quant import NAMES
 from radixflow.runtime import Engine
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.model_runner import load_model
@@ -224,3 +225,45 @@ def test_rope_factor_tensors_are_not_weights(root):
     write_gguf(path, source, "Q8_0", extra={"rope_freqs.weight": np.ones(32, np.float32)})
     state = gguf_file.read_state(path, load_hf_config(resolve_model_dir(str(path))))
     assert sorted(state) == sorted(source.state_dict())
+
+
+def test_q8_0_weights_under_auto_take_the_x24_kernels(root, monkeypatch):
+    """A small Q8_0 Llama under the default `auto`, where the x24 kernels run (AVX512-VNNI):
+    its projections and head held as Q8_0R, decode steps through the compiled loop's team on
+    two threads (rf_qteam_takes admits Q8_0R there), and the greedy output the exact mode's."""
+    if native_quant.isa() != "avx512" or native_quant.set_int_isa(None) != "avx512-vnni":
+        pytest.skip("no AVX512-VNNI here: auto keeps Q8_0")
+    path = root / "llama-q8_0-auto.gguf"
+    write_gguf(path, build_model("llama"), "Q8_0")
+    outs = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for mode in ("fp32", "auto"):
+            with Engine(model_path=str(path), device="cpu", max_total_tokens=256,
+                        kv_cache_dtype="fp32", quantized_activations=mode) as engine:  # fmt: skip
+                model = engine._loaded.model
+                monkeypatch.setattr(engine.scheduler.runner, "governor", None)
+                kept = {NAMES[p.qtype] for m in quant_layers(model) for p in m.parts}
+                assert kept == ({"Q8_0R"} if mode == "auto" else {"Q8_0"}), kept
+                teamed: list[bool] = []
+                loop = model.decode_loop
+                if mode == "auto" and loop is not None:
+                    layers = loop.ext.decode_layers
+
+                    def recording(*args, layers=layers, teamed=teamed):
+                        out = layers(*args)
+                        teamed.append(out[3])
+                        return out
+
+                    monkeypatch.setattr(loop.ext, "decode_layers", recording)
+                outs[mode] = [
+                    o["output_ids"]
+                    for o in engine.generate(input_ids=PROMPTS[:1], sampling_params=PARAMS)
+                ]
+                if mode == "auto" and loop is not None:
+                    assert teamed and all(teamed), teamed
+                monkeypatch.undo()
+    finally:
+        torch.set_num_threads(threads)
+    assert outs["auto"] == outs["fp32"]
