@@ -1,4 +1,5 @@
-/* A few rows of fp32 x against Q4_1R on AVX512-VNNI, near-exact: each block of 32 of x is put
+/* A few rows of fp32 x against Q4_1R (and Q8_0R: below) on AVX512-VNNI, near-exact: each
+ * block of 32 of x is put
  * in 24-bit fixed point (x = dx * v, |v| <= V24_MAX, dx = the block's largest |x| / V24_MAX)
  * and v split into three signed bytes, v = 65536 h + 256 m + l, so the nibble products are
  * integer dot products (vpdpbusd, 64 a instruction) exact in int32, and one conversion and
@@ -9,9 +10,11 @@
  * with the fp32 kernel's (both ~1e-6). Blocks whose largest |x| is below 1e-30 count as zero,
  * and a block holding an inf or NaN gives a NaN sum, as the fp32 kernels do.
  *
- * rf_qlinear and rf_qteam_linear take it for 1-4 rows of Q4_1R where the activations are not
- * the explicit exact mode (RF_FP32_ACTS or the fp32 process default) and the CPU has
- * AVX512-VNNI: `auto`'s choice for a small model's one stream (rf_qset_x24 turns it off).
+ * rf_qlinear and rf_qteam_linear take them for 1-4 rows of Q4_1R or Q8_0R where the
+ * activations are neither int8 nor the explicit exact mode (RF_FP32_ACTS, or no flag under
+ * the fp32 process default) and the CPU has AVX512-VNNI: `auto`'s choice for a small model's
+ * one stream (rf_qset_x24 turns them off). A team thread keeps its x's parts in a buffer of
+ * its own (x24_scratch), kept for the thread's life.
  * Included by quant.c before the ISA copies, under its own target. */
 
 #pragma GCC push_options
