@@ -1,7 +1,6 @@
 /* A few rows of fp32 x against Q4_1R (and Q8_0R: below) on AVX512-VNNI, near-exact: each
- * block of 32 of x is put
- * in 24-bit fixed point (x = dx * v, |v| <= V24_MAX, dx = the block's largest |x| / V24_MAX)
- * and v split into three signed bytes, v = 65536 h + 256 m + l, so the nibble products are
+ * block of 32 of x is put in 24-bit fixed point (x = dx * v, |v| <= V24_MAX, dx = the block's
+ * largest |x| / V24_MAX) and v split into three signed bytes, v = 65536 h + 256 m + l, so the nibble products are
  * integer dot products (vpdpbusd, 64 a instruction) exact in int32, and one conversion and
  * fma scale four blocks. The fp32 fused kernel (quant_legacy.c fused_row_r) converts every
  * nibble to float and spends some seven vector operations a block; this spends under four.
