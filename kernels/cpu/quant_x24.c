@@ -1,12 +1,13 @@
 /* A few rows of fp32 x against Q4_1R (and Q8_0R: below) on AVX512-VNNI, near-exact: each
  * block of 32 of x is put in 24-bit fixed point (x = dx * v, |v| <= V24_MAX, dx = the block's
- * largest |x| / V24_MAX) and v split into three signed bytes, v = 65536 h + 256 m + l, so the nibble products are
- * integer dot products (vpdpbusd, 64 a instruction) exact in int32, and one conversion and
- * fma scale four blocks. The fp32 fused kernel (quant_legacy.c fused_row_r) converts every
- * nibble to float and spends some seven vector operations a block; this spends under four.
- * Error: v's rounding, at most dx / 2 = 2^-24 of the block's largest |x| an element, the size
- * of fp32's own rounding of x; against the dequantized reference a SmolLM2 row measures level
- * with the fp32 kernel's (both ~1e-6). Blocks whose largest |x| is below 1e-30 count as zero,
+ * largest |x| / V24_MAX) and v split into three signed bytes, v = 65536 h + 256 m + l, so
+ * the nibble products are integer dot products (vpdpbusd, 64 a instruction) exact in int32,
+ * and one conversion and fma scale four blocks. The fp32 fused kernel (quant_legacy.c
+ * fused_row_r) converts every nibble to float and spends some seven vector operations a
+ * block; this spends under four. Error: v's rounding, at most dx / 2 = 2^-24 of the block's
+ * largest |x| an element, the size of fp32's own rounding of x; against the dequantized
+ * reference a SmolLM2 row measures level with the fp32 kernel's (both ~1e-6). Blocks whose
+ * largest |x| is below 1e-30 count as zero,
  * and a block holding an inf or NaN gives a NaN sum, as the fp32 kernels do.
  *
  * rf_qlinear and rf_qteam_linear take them for 1-4 rows of Q4_1R or Q8_0R where the
