@@ -131,7 +131,9 @@ def build_output(
     input_top_logprobs: list[Any] = (),
 ) -> dict[str, Any]:
     """A finished request's {text, output_ids, meta_info}, the same offline and served: the
-    matched stop token is left out of the text, which is cut at the first stop string."""
+    matched stop token is left out of the text, which is cut at the first stop string. The
+    logprob entries are one per generated token, the matched stop token's too, as SGLang's
+    are (`output_token_logprobs_length` == `completion_tokens`); OpenAI's shapes drop it."""
     ids = output_ids
     reason = finish_reason or {}
     if reason.get("type") == "stop" and type(reason.get("matched")) is int:
@@ -141,7 +143,8 @@ def build_output(
         text, _ = trim_at_stop(text, sampling.stop)
     meta = dict(meta)
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(output_logprobs, ids)]
+        pairs = zip(output_logprobs, output_ids)
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in pairs]
         meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         if logprob_start_len >= 0:
             pairs = zip(input_logprobs, input_ids[logprob_start_len:])

@@ -67,6 +67,10 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 # sglang-router registers a worker by probing /health before it sends any key, and load
 # balancers probe it keyless; /health_generate runs the model, so it wants the key.
 PUBLIC_PATHS = frozenset({"/health"})
+# /generate streams with logprobs send events at least this far apart, the tokens between
+# merged into one event: SGLang's client keeps only the newest event's meta_info when two
+# arrive before its reader wakes, and their incremental logprob entries would be lost
+LOGPROB_STREAM_GAP_S = 0.025
 RETRY_AFTER_S = 1  # draining: retry soon; a router sends it elsewhere once /health says 503
 
 
@@ -246,13 +250,19 @@ class HttpDoor:
         (data,) = await self.finals([sink])
         return data
 
-    async def replies(self, sinks: list[Sink]) -> AsyncIterator[tuple[int, Any]]:
-        """(index, chunk or final reply) as they arrive. Leaving early (the client went away,
-        an error) aborts the requests still in flight."""
+    async def replies(self, sinks: list[Sink], gap: float = 0.0) -> AsyncIterator[tuple[int, Any]]:
+        """(index, chunk or final reply) as they arrive, rounds at least `gap` seconds apart
+        (the sinks merge the chunks that arrive meanwhile). Leaving early (the client went
+        away, an error) aborts the requests still in flight."""
         open_ = list(range(len(sinks)))
+        loop = asyncio.get_running_loop()
+        last = -gap
         try:
             while open_:
                 await sinks[0].wake.wait()
+                if gap:
+                    await asyncio.sleep(max(0.0, last + gap - loop.time()))
+                    last = loop.time()
                 sinks[0].wake.clear()
                 for i in list(open_):
                     chunk = sinks[i].take_chunk()
@@ -311,21 +321,29 @@ class HttpDoor:
         text_in_logprobs = bool(body.get("return_text_in_logprobs"))
         sinks = self.submit(await fetch_media(msgs, self.server.config))  # remote image URLs
         if msgs[0].stream:
-            return await self.generate_stream(request, sinks, batch, text_in_logprobs)
+            logprobs = any(msg.return_logprob for msg in msgs)
+            return await self.generate_stream(request, sinks, batch, text_in_logprobs, logprobs)
         outs = [self.native(d, text_in_logprobs) for d in await self.finals(sinks)]
         return json_response(outs if batch else outs[0])
 
     async def generate_stream(
-        self, request: web.Request, sinks: list[Sink], batch: bool, text_in_logprobs: bool
+        self,
+        request: web.Request,
+        sinks: list[Sink],
+        batch: bool,
+        text_in_logprobs: bool,
+        logprobs: bool = False,
     ) -> web.StreamResponse:
         """SSE: one `data: {json}` per chunk, each final result, then `data: [DONE]`. Text and
         output ids are cumulative; logprob entries are incremental (each event holds only the
         tokens it adds, `output_token_logprobs_length` counts all so far), as SGLang streams
-        them. The events start with the first reply: a request refused before its first token
-        (a grammar that does not compile) gets its error status, as an unstreamed one does."""
+        them, paced where they carry logprobs (LOGPROB_STREAM_GAP_S). The events start with
+        the first reply: a request refused before its first token (a grammar that does not
+        compile) gets its error status, as an unstreamed one does."""
         ids: list[list[int]] = [[] for _ in sinks]
         sent = [0] * len(sinks)  # logprob entries streamed so far, per request
-        async with contextlib.aclosing(self.replies(sinks)) as replies:
+        gap = LOGPROB_STREAM_GAP_S if logprobs else 0.0
+        async with contextlib.aclosing(self.replies(sinks, gap)) as replies:
             first = await self.first_reply(replies)
             response = await self.sse(request)
             async for i, reply in prepend(first, replies):
@@ -333,6 +351,8 @@ class HttpDoor:
                     status = STATUS_OF_CODE.get(reply.code, 500)
                     await self.event(response, error_body(status, reply.message, None, reply.code))
                     break
+                if isinstance(reply, Chunk) and sinks[i].final is not None:
+                    continue  # the final, next, holds it: one event, not two at once
                 if isinstance(reply, Chunk):
                     ids[i] += reply.new_ids
                     meta = dict(reply.meta_info)

@@ -20,6 +20,9 @@ def logprobs_of(
     if msg is None or not msg.return_logprob or "output_token_logprobs" not in meta:
         return None
     entries = meta["output_token_logprobs"]
+    reason = meta.get("finish_reason") or {}
+    if entries and reason.get("type") == "stop" and type(reason.get("matched")) is int:
+        entries = entries[:-1]  # the stop token: not part of the choice's text
     ids = [e[1] for e in entries]
     texts = token_texts(ids)
     tops = meta.get("output_top_logprobs") or [[] for _ in entries]
