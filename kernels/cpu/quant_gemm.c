@@ -122,7 +122,33 @@ static void FN(fused_range)(const float *x, int64_t M, int64_t ldx, int64_t K, c
     }
 }
 
-/* fused_range, or quant_x24.c's x24_range where x's parts are given */
+/* bytes of x's parts for this copy's fixed-point kernels (quant_x24.c's on the AVX-512 copy:
+ * Q4_1R, Q8_0R; quant_x16.c's on the AVX2 copy: Q4_1R), 0 where it has none for the type */
+static inline size_t FN(fixed_bytes)(int qtype, int64_t M, int64_t K) {
+#if VW == 16 && defined(QUANT_X86)
+    return qtype == Q4_1R || qtype == Q8_0R ? x24_bytes_of(qtype, M, K) : 0;
+#elif VW == 8 && defined(QUANT_X86)
+    return qtype == Q4_1R ? x16_bytes(M, K) : 0;
+#else
+    (void)qtype, (void)M, (void)K;
+    return 0;
+#endif
+}
+
+/* x's parts (FN(fixed_bytes) of them) at out */
+static inline void FN(fixed_split)(int qtype, const float *x, int64_t M, int64_t ldx,
+                                   int64_t K, uint8_t *out) {
+#if VW == 16 && defined(QUANT_X86)
+    x24_split_of(qtype, x, M, ldx, K, out);
+#elif VW == 8 && defined(QUANT_X86)
+    (void)qtype;
+    x16_split(x, M, ldx, K, out);
+#else
+    (void)qtype, (void)x, (void)M, (void)ldx, (void)K, (void)out;
+#endif
+}
+
+/* fused_range, or the fixed-point kernels' range where x's parts are given */
 static inline void FN(fused_or_x24)(const float *x, const uint8_t *parts, int64_t M,
                                       int64_t ldx, int64_t K, const float *xs,
                                       const uint8_t *w, int64_t r, int64_t end,
@@ -135,6 +161,11 @@ static inline void FN(fused_or_x24)(const float *x, const uint8_t *parts, int64_
     }
     if (parts) {
         x24_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
+        return;
+    }
+#elif VW == 8 && defined(QUANT_X86)
+    if (parts) {
+        x16_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
         return;
     }
 #else
@@ -159,13 +190,9 @@ static int FN(qlinear_fused)(const float *x, int64_t M, int64_t ldx, int64_t K,
     if (!xs) return -2;
     FN(block_sums)(x, M, ldx, nb, qtype, xs);
     uint8_t *parts = NULL;
-#if VW == 16 && defined(QUANT_X86)
-    if (x24 && (qtype == Q4_1R || qtype == Q8_0R) &&
-        (parts = aligned_alloc(64, x24_bytes_of(qtype, M, K) + 64)))
-        x24_split_of(qtype, x, M, ldx, K, parts);
-#else
-    (void)x24;
-#endif
+    const size_t part_bytes = x24 ? FN(fixed_bytes)(qtype, M, K) : 0;
+    if (part_bytes && (parts = aligned_alloc(64, (part_bytes + 127) / 64 * 64)))
+        FN(fixed_split)(qtype, x, M, ldx, K, parts);
     if (qtype == Q8_0R && !parts) { /* it has no fused fp32 kernel: FN(qlinear) sent it here */
         free(xs);
         return -2;
@@ -199,13 +226,9 @@ static void FN(qlinear_team)(const float *x, int64_t M, int64_t ldx, int64_t K,
     float xs[2 * FUSED_ROWS * TEAM_MAX_K / 32];
     FN(block_sums)(x, M, ldx, K / 32, qtype, xs);
     uint8_t *parts = NULL; /* each thread splits x itself: a few hundred ns, no barrier */
-#if VW == 16 && defined(QUANT_X86)
-    if (x24 && (qtype == Q4_1R || qtype == Q8_0R) &&
-        (parts = x24_scratch(x24_bytes_of(qtype, M, K))))
-        x24_split_of(qtype, x, M, ldx, K, parts);
-#else
-    (void)x24;
-#endif
+    const size_t part_bytes = x24 ? FN(fixed_bytes)(qtype, M, K) : 0;
+    if (part_bytes && (parts = x24_scratch(part_bytes)))
+        FN(fixed_split)(qtype, x, M, ldx, K, parts);
     const int lost = qtype == Q8_0R && !parts; /* no scratch (out of memory): NaN, not garbage */
     /* two chunks a thread, not qlinear_fused's eight: a thread streams longer runs of rows
      * (its prefetches run ahead within a chunk), and one stolen chunk still evens out a

@@ -343,8 +343,11 @@ static inline void x24_split_of(int qtype, const float *x, int64_t M, int64_t ld
         x24_split(x, M, ldx, K, out);
 }
 
-/* a thread's buffer for x24_split's parts, grown as needed and kept (the team's calls, one a
- * projection, would otherwise allocate every time); NULL if it cannot grow */
+#pragma GCC pop_options
+
+/* a thread's buffer for the fixed-point kernels' parts of x (x24_split's, x16_split's),
+ * grown as needed and kept (the team's calls, one a projection, would otherwise allocate
+ * every time); NULL if it cannot grow */
 static uint8_t *x24_scratch(size_t bytes) {
     static __thread uint8_t *buf;
     static __thread size_t size;
@@ -356,4 +359,3 @@ static uint8_t *x24_scratch(size_t bytes) {
     return buf;
 }
 
-#pragma GCC pop_options
