@@ -148,7 +148,7 @@ static int64_t fused_split_set = 0;
 
 #ifdef QUANT_X86
 #include "quant_x24.c" /* Q4_1R against x in 24-bit fixed point (AVX512-VNNI), near-exact */
-#include "quant_x16.c" /* Q4_1R against x in 16-bit fixed point (AVX2), near-exact */
+#include "quant_x24_avx2.c" /* the same on AVX2 (maddubs), Q4_1R */
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #define SUFFIX _avx512
@@ -272,14 +272,14 @@ int rf_qset_x24(int on) {
 
 /* 1 where a fused call of M rows of a qtype (flags removed) under the resolved activation
  * flag `acts` takes the fixed-point kernels: quant_x24.c's (Q4_1R or Q8_0R, AVX-512 with
- * VNNI) or quant_x16.c's (Q4_1R, the AVX2 path); 1-4 rows, activations fp32 but not the
+ * VNNI) or quant_x24_avx2.c's (Q4_1R, the AVX2 path); 1-4 rows, activations fp32 but not the
  * explicit exact mode (RF_FP32_ACTS, or no flag under the fp32 default) */
 static int x24_for(int acts, int qtype, int64_t M) {
 #ifdef QUANT_X86
     if ((qtype != Q4_1R && qtype != Q8_0R) || M < 1 || M > FUSED_ROWS || !rf_qset_x24(-1))
         return 0;
-    const int x16 = isa() == ISA_AVX2 && qtype == Q4_1R;
-    if (!x16 && (isa() != ISA_AVX512 || rf_qset_int_isa(-1) != IDOT_VNNI512)) return 0;
+    const int avx2 = isa() == ISA_AVX2 && qtype == Q4_1R; /* quant_x24_avx2.c's */
+    if (!avx2 && (isa() != ISA_AVX512 || rf_qset_int_isa(-1) != IDOT_VNNI512)) return 0;
     if (acts == RF_FP32_ACTS || acts == RF_INT8_ACTS) return 0;
     return acts ? 1 : rf_qset_activations(-1) == 2;
 #else

@@ -123,12 +123,12 @@ static void FN(fused_range)(const float *x, int64_t M, int64_t ldx, int64_t K, c
 }
 
 /* bytes of x's parts for this copy's fixed-point kernels (quant_x24.c's on the AVX-512 copy:
- * Q4_1R, Q8_0R; quant_x16.c's on the AVX2 copy: Q4_1R), 0 where it has none for the type */
+ * Q4_1R, Q8_0R; quant_x24_avx2.c's on the AVX2 copy: Q4_1R), 0 where it has none for the type */
 static inline size_t FN(fixed_bytes)(int qtype, int64_t M, int64_t K) {
 #if VW == 16 && defined(QUANT_X86)
     return qtype == Q4_1R || qtype == Q8_0R ? x24_bytes_of(qtype, M, K) : 0;
 #elif VW == 8 && defined(QUANT_X86)
-    return qtype == Q4_1R ? x16_bytes(M, K) : 0;
+    return qtype == Q4_1R ? x24a_bytes(M, K) : 0;
 #else
     (void)qtype, (void)M, (void)K;
     return 0;
@@ -142,7 +142,7 @@ static inline void FN(fixed_split)(int qtype, const float *x, int64_t M, int64_t
     x24_split_of(qtype, x, M, ldx, K, out);
 #elif VW == 8 && defined(QUANT_X86)
     (void)qtype;
-    x16_split(x, M, ldx, K, out);
+    x24a_split(x, M, ldx, K, out);
 #else
     (void)qtype, (void)x, (void)M, (void)ldx, (void)K, (void)out;
 #endif
@@ -165,7 +165,7 @@ static inline void FN(fused_or_x24)(const float *x, const uint8_t *parts, int64_
     }
 #elif VW == 8 && defined(QUANT_X86)
     if (parts) {
-        x16_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
+        x24a_range(parts, M, K, xs, w, r, end, row_bytes, bias, out, ldo);
         return;
     }
 #else

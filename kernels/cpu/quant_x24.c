@@ -345,7 +345,7 @@ static inline void x24_split_of(int qtype, const float *x, int64_t M, int64_t ld
 
 #pragma GCC pop_options
 
-/* a thread's buffer for the fixed-point kernels' parts of x (x24_split's, x16_split's),
+/* a thread's buffer for the fixed-point kernels' parts of x (x24_split's, x24a_split's),
  * grown as needed and kept (the team's calls, one a projection, would otherwise allocate
  * every time); NULL if it cannot grow */
 static uint8_t *x24_scratch(size_t bytes) {

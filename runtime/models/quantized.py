@@ -265,7 +265,7 @@ def set_activations(model: nn.Module, mode: str) -> None:
     if mode == "auto" and sum(m.in_features * m.out_features for m in layers) >= BIG_MODEL_PARAMS:
         mode = "auto-big"
     q8_0r = mode == "auto" and _x24_kernels()
-    q4_1r = mode == "auto" and _x16_kernels()
+    q4_1r = mode == "auto" and _x24a_kernels()
     for m in layers:
         m.activations = mode
         m.parts = [_q4_1_held(_q8_0_held(p, q8_0r), q4_1r) for p in m.parts]
@@ -281,17 +281,17 @@ def _x24_kernels() -> bool:
     )
 
 
-def _x16_kernels() -> bool:
-    """Whether the 16-bit fixed-point one-row kernels run here (kernels/cpu/quant_x16.c: the
-    AVX2 path, Q4_1R, not turned off by `native.set_x24`)"""
+def _x24a_kernels() -> bool:
+    """Whether the fixed-point one-row kernel of the AVX2 path runs here
+    (kernels/cpu/quant_x24_avx2.c: Q4_1R, not turned off by `native.set_x24`)"""
     return native.isa() == "avx2" and native.set_x24(None)
 
 
 def _q4_1_held(part: Part, repacked: bool) -> Part:
     """On the AVX2 path a Q4_1 part as Q4_1R (a copy) where `repacked`, else as the file's
-    Q4_1: there the x16 kernels take Q4_1R (SmolLM2's one-row projections 1.3-1.5x the fp32
-    kernel on Q4_1), while the exact mode's fp32 kernel runs Q4_1 1.4x faster than Q4_1R. On
-    the AVX-512 path Q4_1R always (`_for_kernel`)."""
+    Q4_1: there the fixed-point kernel takes Q4_1R (quant_x24_avx2.c), while the exact
+    mode's fp32 kernel runs Q4_1 1.4x faster than Q4_1R. On the AVX-512 path Q4_1R always
+    (`_for_kernel`)."""
     if not isinstance(part, quant.QuantWeight) or native.isa() != "avx2":
         return part
     if repacked and part.qtype == quant.Q4_1:
