@@ -48,7 +48,10 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   block of 32 of x in fixed point (24 bits; 22 against Q8_0R) as three signed bytes, the
   products by vpdpbusd, exact in int32, one conversion and fma a group of blocks. Its error is
   that of fp32's rounding of x (~1e-6 of the largest output); SmolLM2's 30 layers of one-row
-  projections ran 1.37x the fp32 kernel on one thread, its tied Q8_0 head 1.5x.
+  projections ran 1.37x the fp32 kernel on one thread, its tied Q8_0 head 1.5x. On the AVX2
+  path (no AVX-512) `quant_x24_avx2.c` does the same for Q4_1R with maddubs (the model then
+  holds Q4_1 as Q4_1R under `auto`): SmolLM2's K = 576 rows 1.1x the fp32 Q4_1 kernel on an
+  AMD Zen 3, K = 1536-4096 1.2-1.35x.
 - `address("rf_qlinear")` gives the C entry point for the C++ decode loop (the ABI in quant.c).
 """
 
@@ -184,10 +187,10 @@ def set_activations(mode: str | None) -> str:
 
 
 def set_x24(on: bool | None) -> bool:
-    """Whether 1-4 rows of x against Q4_1R take the 24-bit fixed-point integer kernel
-    (quant_x24.c: x per block of 32 as three signed bytes, vpdpbusd; near-exact, `auto`'s
-    choice on AVX512-VNNI) instead of the fp32 fused one, for every caller in this process;
-    None only asks. Read at first use from RADIXFLOW_QUANT_X24 (0: off); False without the
+    """Whether 1-4 rows of x against Q4_1R (and Q8_0R) take the 24-bit fixed-point integer
+    kernels (quant_x24.c: x per block of 32 as three signed bytes, vpdpbusd, on AVX512-VNNI;
+    quant_x24_avx2.c: the same with maddubs on the AVX2 path, Q4_1R; near-exact, `auto`'s
+    choice) instead of the fp32 fused ones, for every caller in this process; None only asks. Read at first use from RADIXFLOW_QUANT_X24 (0: off); False without the
     library."""
     lib = library()
     return False if lib is None else bool(lib.rf_qset_x24(-1 if on is None else int(on)))
