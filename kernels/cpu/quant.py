@@ -190,8 +190,8 @@ def set_x24(on: bool | None) -> bool:
     """Whether 1-4 rows of x against Q4_1R (and Q8_0R) take the 24-bit fixed-point integer
     kernels (quant_x24.c: x per block of 32 as three signed bytes, vpdpbusd, on AVX512-VNNI;
     quant_x24_avx2.c: the same with maddubs on the AVX2 path, Q4_1R; near-exact, `auto`'s
-    choice) instead of the fp32 fused ones, for every caller in this process; None only asks. Read at first use from RADIXFLOW_QUANT_X24 (0: off); False without the
-    library."""
+    choice) instead of the fp32 fused ones, for every caller in this process; None only asks.
+    Read at first use from RADIXFLOW_QUANT_X24 (0: off); False without the library."""
     lib = library()
     return False if lib is None else bool(lib.rf_qset_x24(-1 if on is None else int(on)))
 
