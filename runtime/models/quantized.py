@@ -264,11 +264,18 @@ def set_activations(model: nn.Module, mode: str) -> None:
     layers = list(quant_layers(model))
     if mode == "auto" and sum(m.in_features * m.out_features for m in layers) >= BIG_MODEL_PARAMS:
         mode = "auto-big"
-    q8_0r = mode == "auto" and _x24_kernels()
-    q4_1r = mode == "auto" and _x24a_kernels()
+    # the layouts of the fixed-point one-row kernels under a small model's `auto` (a copy of
+    # the file's blocks): Q8_0R where AVX512-VNNI runs quant_x24.c (SmolLM2's tied head 1.5x
+    # the fp32 kernel; no other mode has a Q8_0R kernel, and a big model would hold a copy of
+    # its Q8_0 weights); Q4_1R on the AVX2 path (quant_x24_avx2.c; its exact mode keeps Q4_1,
+    # whose fp32 kernel runs 1.4x faster than on Q4_1R there; the AVX-512 path holds Q4_1R
+    # in every mode: `_for_kernel`)
+    repacked = {quant.Q8_0: mode == "auto" and _x24_kernels()}
+    if native.isa() == "avx2":
+        repacked[quant.Q4_1] = mode == "auto" and native.set_x24(None)
     for m in layers:
         m.activations = mode
-        m.parts = [_q4_1_held(_q8_0_held(p, q8_0r), q4_1r) for p in m.parts]
+        m.parts = [_held(p, repacked) for p in m.parts]
 
 
 def _x24_kernels() -> bool:
@@ -281,39 +288,15 @@ def _x24_kernels() -> bool:
     )
 
 
-def _x24a_kernels() -> bool:
-    """Whether the fixed-point one-row kernel of the AVX2 path runs here
-    (kernels/cpu/quant_x24_avx2.c: Q4_1R, not turned off by `native.set_x24`)"""
-    return native.isa() == "avx2" and native.set_x24(None)
-
-
-def _q4_1_held(part: Part, repacked: bool) -> Part:
-    """On the AVX2 path a Q4_1 part as Q4_1R (a copy) where `repacked`, else as the file's
-    Q4_1: there the fixed-point kernel takes Q4_1R (quant_x24_avx2.c), while the exact
-    mode's fp32 kernel runs Q4_1 1.4x faster than Q4_1R. On the AVX-512 path Q4_1R always
-    (`_for_kernel`)."""
-    if not isinstance(part, quant.QuantWeight) or native.isa() != "avx2":
-        return part
-    if repacked and part.qtype == quant.Q4_1:
-        return quant.repack(part)
-    if not repacked and part.qtype == quant.Q4_1R:
-        return quant.unpack(part)
-    return part
-
-
-def _q8_0_held(part: Part, repacked: bool) -> Part:
-    """A Q8_0 part as Q8_0R (its d's and bytes apart: a copy) where `repacked`, else as the
-    file's Q8_0. Q8_0R is the x24 kernels' layout (kernels/cpu/quant_x24.c: SmolLM2's tied
-    head 1.5x the fp32 kernel at one row); only a small model's `auto` takes it: its int8 and
-    exact modes have no Q8_0R kernel of their own, and a big model would hold a copy of its
-    Q8_0 weights."""
+def _held(part: Part, repacked: dict[int, bool]) -> Part:
+    """A part of a file type in `repacked` as its repacked layout (`quant.repack`) where the
+    flag says so, else in the file's blocks (`quant.unpack`); any other part as it is."""
     if not isinstance(part, quant.QuantWeight):
         return part
-    if repacked and part.qtype == quant.Q8_0:
-        return quant.repack(part)
-    if not repacked and part.qtype == quant.Q8_0R:
-        return quant.unpack(part)
-    return part
+    file_type = quant.UNPACKED.get(part.qtype, part.qtype)
+    if file_type not in repacked or repacked[file_type] == (part.qtype != file_type):
+        return part
+    return quant.repack(part) if repacked[file_type] else quant.unpack(part)
 
 
 def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:

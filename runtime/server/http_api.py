@@ -5,10 +5,10 @@ frontend, scripts and router work unchanged), the OpenAI-compatible routes
 embeddings (embeddings_api.py) and `/metrics`, served by aiohttp on the server's one event loop.
 
 A handler validates its body into the same typed messages the ZeroMQ door decodes
-(`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` as the reply
-identity. A Sink never blocks the loop: it holds at most one pending chunk (later chunks merge
-into it: text is cumulative, ids and logprobs append) and the final reply, so a slow or stalled
-client costs memory bounded by its own output, and only its own handler waits on its socket.
+(`Generate`, `FlushCache`, ...) and hands them to the Server with a `Sink` (sinks.py) as the
+reply identity. A Sink never blocks the loop: it holds at most one pending chunk (later chunks
+merge into it: text is cumulative, ids and logprobs append) and the final reply, so a slow or
+stalled client costs memory bounded by its own output, and only its own handler waits on its socket.
 A client that disconnects cancels its handler (aiohttp's handler_cancellation), and the
 handler's exit aborts whatever it still had in flight: its KV is freed at the scheduler's next
 step. Bodies are limited to `max_message_bytes` (413). With an API key every route but
@@ -62,6 +62,7 @@ from radixflow.runtime.server.metrics import CONTENT_TYPE
 from radixflow.runtime.server.ollama_api import OllamaRoutes
 from radixflow.runtime.server.openai_api import OpenAiRoutes
 from radixflow.runtime.server.responses_api import ResponsesRoutes
+from radixflow.runtime.server.sinks import Sink
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # sglang-router registers a worker by probing /health before it sends any key, and load
@@ -79,36 +80,6 @@ def is_http2_probe(record: logging.LogRecord) -> bool:
     400 and logs a traceback. Keep the 400, drop the traceback (False filters the record)."""
     error = record.exc_info[1] if record.exc_info else None
     return not (error is not None and "PRI/Upgrade" in str(error))
-
-
-class Sink:
-    """The reply identity of one request from an HTTP handler (see the module docstring)."""
-
-    def __init__(self, rid: str, wake: asyncio.Event) -> None:
-        self.rid = rid
-        self.wake = wake  # shared by the sinks of one handler
-        self.chunk: Chunk | None = None
-        self.final: Any = None
-
-    def deliver(self, reply: Any) -> None:
-        if isinstance(reply, Chunk):
-            self.chunk = reply if self.chunk is None else merge_chunks(self.chunk, reply)
-        elif self.final is None:
-            self.final = reply
-        self.wake.set()
-
-    def take_chunk(self) -> Chunk | None:
-        chunk, self.chunk = self.chunk, None
-        return chunk
-
-
-def merge_chunks(old: Chunk, new: Chunk) -> Chunk:
-    """Two consecutive chunks as one: the newer text and meta, the ids and logprobs of both."""
-    meta = dict(new.meta_info)
-    for key in ("output_token_logprobs", "output_top_logprobs"):
-        if key in meta:
-            meta[key] = list(old.meta_info.get(key, [])) + list(meta[key])
-    return Chunk(new.rid, new.text, old.new_ids + new.new_ids, meta)
 
 
 # ---- the door --------------------------------------------------------------------------

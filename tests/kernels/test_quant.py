@@ -383,6 +383,31 @@ def test_fused_split_moves_the_threshold_and_changes_no_result() -> None:
     assert_near(whole, quant.linear(x, w))
 
 
+def fixed_point_auto(x: torch.Tensor, w: quant.QuantWeight, bias: torch.Tensor) -> torch.Tensor:
+    """`auto` on x's rows, into a wider out: nothing written outside, its sums not the exact
+    mode's (the fixed-point kernel taken), and with those kernels off `auto` gives the exact
+    mode's bits. -> auto's output"""
+    m, n = x.shape[0], w.shape[0]
+    out = torch.full((m, n + 3), float("nan"))
+    got = native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="auto")
+    assert out[:, 0].isnan().all() and out[:, -2:].isnan().all(), "wrote outside"
+    fp32 = native_quant.linear(x, w, bias, activations="fp32")
+    assert not torch.equal(got, fp32), "auto: the fixed-point kernel"
+    native_quant.set_x24(False)
+    assert torch.equal(native_quant.linear(x, w, bias, activations="auto"), fp32)
+    native_quant.set_x24(True)
+    return got
+
+
+def fixed_point_edges(x: torch.Tensor, w: quant.QuantWeight) -> None:
+    """A NaN in x's first row makes that row's outputs NaN only; a zero x gives zeros."""
+    x[0, 3] = float("nan")
+    got = native_quant.linear(x, w, activations="auto")
+    assert got[0].isnan().all() and not got[1:].isnan().any()
+    zero = torch.zeros(1, x.shape[1])
+    assert torch.equal(native_quant.linear(zero, w, activations="auto"), torch.zeros(1, w.shape[0]))
+
+
 @pytest.fixture
 def x24() -> Iterator[None]:
     """quant_x24.c's kernel on (skipped where the CPU has no AVX512-VNNI or the ISA is
@@ -414,21 +439,10 @@ def test_x24_kernels_take_auto_rows_near_exact(x24: None, qtype: int) -> None:
                 x = torch.randn((m, k + 7), generator=gen)[:, 2 : 2 + k]
                 x[:, 5] *= 50.0
                 expected = quant.linear(x, w).double() + bias.double()
-                out = torch.full((m, n + 3), float("nan"))
-                got = native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="auto")
+                got = fixed_point_auto(x, w, bias)
                 err = (got.double() - expected).abs().max().item()
                 assert err <= 3e-6 * expected.abs().max().item(), f"{n=} {k=} {m=} {err=}"
-                assert out[:, 0].isnan().all() and out[:, -2:].isnan().all(), "wrote outside"
-                fp32 = native_quant.linear(x, w, bias, activations="fp32")
-                assert not torch.equal(got, fp32), "auto: the x24 kernel"
-                native_quant.set_x24(False)
-                assert torch.equal(native_quant.linear(x, w, bias, activations="auto"), fp32)
-                native_quant.set_x24(True)
-        x[0, 3] = float("nan")
-        got = native_quant.linear(x, w, activations="auto")
-        assert got[0].isnan().all() and not got[1:].isnan().any()
-        assert torch.equal(native_quant.linear(torch.zeros(1, 160), w, activations="auto"),
-                           torch.zeros(1, 37))  # fmt: skip
+        fixed_point_edges(x, w)
     finally:
         torch.set_num_threads(before)
 
@@ -472,20 +486,8 @@ def test_x24_kernel_of_the_avx2_path_takes_auto_rows_near_exact(x24_avx2: None) 
                 half_step = x.abs().reshape(m, k // 32, 32).amax(-1).double() / 8323072 / 2
                 bound = half_step.repeat_interleave(32, 1) @ weights.abs().T
                 bound += 3e-6 * expected.abs().amax(1, keepdim=True)
-                out = torch.full((m, n + 3), float("nan"))
-                got = native_quant.linear(x, w, bias, out=out[:, 1 : 1 + n], activations="auto")
-                err = (got.double() - expected).abs()
+                err = (fixed_point_auto(x, w, bias).double() - expected).abs()
                 assert (err <= bound).all(), f"{n=} {k=} {m=} {(err / bound).max()=}"
-                assert out[:, 0].isnan().all() and out[:, -2:].isnan().all(), "wrote outside"
-                fp32 = native_quant.linear(x, w, bias, activations="fp32")
-                assert not torch.equal(got, fp32), "auto: the fixed-point kernel"
-                native_quant.set_x24(False)
-                assert torch.equal(native_quant.linear(x, w, bias, activations="auto"), fp32)
-                native_quant.set_x24(True)
-        x[0, 3] = float("nan")
-        got = native_quant.linear(x, w, activations="auto")
-        assert got[0].isnan().all() and not got[1:].isnan().any()
-        assert torch.equal(native_quant.linear(torch.zeros(1, 160), w, activations="auto"),
-                           torch.zeros(1, 37))  # fmt: skip
+        fixed_point_edges(x, w)
     finally:
         torch.set_num_threads(before)
