@@ -23,8 +23,9 @@
 enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define IDOT_ROWS 4  /* rows of x a weight block is unpacked for */
 /* rows of x up to which rf_qlinear takes this path by default. Against the fp32 paths
- * (fused rows, then panel path from 16 rows) the K types (an fp32 fma a 256-block and row)
- * gain up to 16 rows (1.2-1.4x at 16, 2.5-3x at one row); where AMX-INT8 takes the rows
+ * (fused rows, then panel path from 16 rows) the K types' row kernels (an fp32 fma a
+ * 256-block and row) gain up to 16 rows (1.2-1.4x at 16, 2.5-3x at one row; the panels
+ * take them further, below and on AVX512-VNNI); where AMX-INT8 takes the rows
  * above, its tiles win from 8 rows (at 8: 1.1x this path's time). The 32-block types pay an
  * fp32 fma a block: level with the fused fp32 kernels at one to four rows (Q4_0 0.83 against
  * 0.81 ms, Q8_0 0.74 against 0.75, Q4_1 1.40 against 0.78 on Q4_1R: 4096 x 4096, 2 threads
@@ -47,7 +48,6 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * 0.92-1.06x at 48, 0.88-0.93x at 63; Q5_0: 1.01-1.05x at 40, 0.83-0.85x at 63; Q4_1R:
  * 1.8-2.0x at 5, 1.28-1.36x at 40, 1.04-1.11x at 63; Q4_1: 1.05-1.08x at 63; Q5_1:
  * 1.05-1.11x at 63 (`python -m radixflow.bench.qdot_panels Q4_0 7`, 2026-12-06). */
-#define INT_ROWS_K 16
 #define INT_ROWS_K_AMX 8
 #define INT_ROWS_K_GEMM (1 << 30)
 #define INT_ROWS_K_GEMM_AMX 63
@@ -59,12 +59,24 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * row kernels (which unpack a weight row per 4 rows of x): K types level at 5 rows, 1.3-1.5x
  * at 8; 32-block types 3x at 5 */
 #define INT_GEMM_ROWS 5
+/* AVX2 (and AVX-VNNI) take qdot_gemm8.c's panels for the K types from these rows, the row
+ * kernels below; and the K types on the integer path at every row count (no AMX there):
+ * the panels ran 1.7x the row kernels' speed at 256 rows, which level with the fp32 panels
+ * at about 128. Q4_K at 4096 x 11008, 2 threads of an AMD EPYC (Zen 3), panels against the
+ * row kernels: 0.6x at 1 row, 1.1x at 8, 1.3x at 16, 1.4x at 32, 1.7x at 256; Q6_K (its
+ * unpacking costs twice Q4_K's): 0.7x at 8, 1.0x at 16, 1.2x at 32, 1.7x at 256. */
+#define INT_GEMM8_ROWS 8
+#define INT_GEMM8_ROWS_Q6K 24
 static int gemm_rows_set = 0;
-/* Rows from which the AVX512-VNNI integer path runs the panels (qdot_gemm.c, qdot_gemm32.c)
- * instead of the row kernels: rows > 0 sets it, 0 restores INT_GEMM_ROWS, a negative value only asks. */
+/* Rows from which the integer path runs the panels (qdot_gemm.c, qdot_gemm32.c on
+ * AVX512-VNNI; qdot_gemm8.c for the K types below it) instead of the row kernels: rows > 0
+ * sets it, 0 restores the defaults (then returns AVX512-VNNI's), a negative value only asks. */
 int rf_qset_int_gemm_rows(int rows) {
     if (rows >= 0) gemm_rows_set = rows;
     return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
+}
+static inline int gemm8_rows(int qtype) {
+    return gemm_rows_set ? gemm_rows_set : qtype == Q6_K ? INT_GEMM8_ROWS_Q6K : INT_GEMM8_ROWS;
 }
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
@@ -157,7 +169,7 @@ int rf_qset_activations(int mode) {
  * 0 restores the per-type defaults (then returns the K types'), a negative value only asks. */
 int rf_qset_int_rows(int rows) {
     if (rows >= 0) int_rows_set = rows;
-    return int_rows_set ? int_rows_set : INT_ROWS_K;
+    return int_rows_set ? int_rows_set : INT_ROWS_K_GEMM;
 }
 
 static inline int int_rows_for(int qtype, int amx_int) {
@@ -169,7 +181,7 @@ static inline int int_rows_for(int qtype, int amx_int) {
                : qtype == Q4_1 || qtype == Q4_1R || qtype == Q5_1 ? INT_ROWS_32M_GEMM_AMX
                                                                    : INT_ROWS_32_GEMM_AMX;
     if (amx_int) return gemm ? INT_ROWS_K_GEMM_AMX : INT_ROWS_K_AMX;
-    return gemm ? INT_ROWS_K_GEMM : INT_ROWS_K;
+    return INT_ROWS_K_GEMM; /* the panels of every ISA */
 }
 
 static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,

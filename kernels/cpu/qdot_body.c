@@ -338,8 +338,12 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
         s[m] = _mm512_reduce_add_ps(acc[m]) - _mm_cvtss_f32(t);
     }
 }
+#include "qdot_drive.c" /* the panels' driver: x's row blocks, the threads */
 #include "qdot_gemm.c" /* many rows: Q4_K, Q5_K, Q6_K panels unpacked once for vpdpbusd */
 #include "qdot_gemm32.c" /* and the 32-block types' */
+#else
+#include "qdot_drive.c"
+#include "qdot_gemm8.c" /* many rows: Q4_K, Q5_K, Q6_K panels of 8 features for maddubs */
 #endif
 
 static inline __attribute__((always_inline)) void IF(row)(
@@ -372,6 +376,12 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
         return status;
     }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
+#else
+    if (idot_block(qtype) == 256 && M >= gemm8_rows(qtype)) {
+        const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
+        free(a.q);
+        return status;
+    }
 #endif
     /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same
      * measure of work; dynamic chunks of rows, so a preempted thread's share goes elsewhere */

@@ -25,12 +25,6 @@
  * a panel's 16 products a byte of x leave the reads of x from L3 cheap. */
 
 #define GEMM_MR 8 /* rows of x a panel's vectors are loaded for: 8 x 3 accumulators in zmm */
-#define GEMM_XBYTES (1024 * 1024) /* x's quantized rows a pass over the panels reads */
-/* rows up to which the next panel is prefetched: 7B's Q4_K rows (2304 bytes) gained 15-20%
- * at 1-16 rows; Q6_K's 9030-byte rows (ffn_down) lost 6-12%, the hardware's streams on
- * such rows already ahead */
-#define GEMM_PF_ROW 4096
-#define GEMM_CHUNK 4 /* panels a thread takes at a time (dynamic: a preempted one takes fewer) */
 
 /* one 256-block of a 16-feature panel, unpacked */
 typedef struct {
@@ -266,67 +260,12 @@ static void IF(gemm_panel)(int six, const void *blocks, const acts_t *a, const v
 }
 #undef GEMM_CASE
 
-/* x's sums over 32 (Q4_K, Q5_K minima) from its sums over 16: M * nb * 8 int16 */
-static int16_t *IF(gemm_sums32)(const acts_t *a, int64_t M) {
-    const int64_t n = M * (a->K / 16) / 2;
-    int16_t *xp = aligned_alloc(64, (size_t)(n * 2 + 63) / 64 * 64);
-    if (xp)
-        for (int64_t i = 0; i < n; i++) xp[i] = (int16_t)(a->bs[2 * i] + a->bs[2 * i + 1]);
-    return xp;
-}
-
-/* One type family's panels (qdot_gemm32.c has the other): the size of an unpacked block, the
- * unpacking of a panel's 16 features, and the run of rows over them */
-typedef struct {
-    size_t block_size;
-    void (*unpack)(const uint8_t *, int64_t, int64_t, int, int64_t, int, int, void *);
-    void (*panel)(int, const void *, const acts_t *, const void *, int64_t, int64_t, int64_t,
-                  int, const float *, float *, int64_t);
-} IF(gemm_kind_t);
-
-/* out = x w^T (+ bias) over a family's panels: x's rows in blocks of about GEMM_XBYTES, the
- * panels in dynamic chunks of GEMM_CHUNK over the threads, each thread with its own unpacked
- * panel (`flag` and `sums`, x's per-block sums, go to the family's panel); -2 on no memory */
-static int IF(gemm_drive)(const IF(gemm_kind_t) *kind, int flag, const void *sums,
-                          const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
-                          int64_t row_bytes, int qtype, const float *bias, float *out,
-                          int64_t ldo, int threads) {
-    const int64_t panels = (N + 15) / 16, nb = a->nb;
-    int64_t xrows = GEMM_XBYTES / a->K / GEMM_MR * GEMM_MR;
-    if (xrows < GEMM_MR) xrows = GEMM_MR;
-    const int64_t chunks = (panels + GEMM_CHUNK - 1) / GEMM_CHUNK;
-    const int nt = threads < 1 ? 1 : chunks < threads ? (int)chunks : threads;
-    int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-    const unsigned csr = denormals_off();
-    void *o = aligned_alloc(64, (size_t)nb * kind->block_size);
-    if (!o) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-    for (int64_t x0 = 0; x0 < M; x0 += xrows) {
-        const int64_t x1 = x0 + xrows < M ? x0 + xrows : M;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t ci = 0; ci < chunks; ci++) {
-            const int64_t end = (ci + 1) * GEMM_CHUNK < panels ? (ci + 1) * GEMM_CHUNK : panels;
-            for (int64_t pi = ci * GEMM_CHUNK; o && pi < end; pi++) {
-                const int nf = N - 16 * pi < 16 ? (int)(N - 16 * pi) : 16;
-                const int nn = pi + 1 == end || row_bytes > GEMM_PF_ROW ? 0
-                               : N - 16 * pi < 32 ? (int)(N - 16 * pi - 16) : 16;
-                kind->unpack(w, row_bytes, nb, qtype, 16 * pi, nf, nn, o);
-                kind->panel(flag, o, a, sums, x0, x1, 16 * pi, nf, bias, out, ldo);
-            }
-        }
-    }
-    free(o);
-    _mm_setcsr(csr);
-    }
-    return failed ? -2 : 0;
-}
-
 /* out = x w^T (+ bias) for a K type, x already quantized (a, in k order); -2 on no memory */
 static int IF(qlinear_gemm)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
                             int64_t row_bytes, int qtype, const float *bias, float *out,
                             int64_t ldo, int threads) {
-    static const IF(gemm_kind_t) kind = {sizeof(gemm_blk_t), IF(gemm_unpack), IF(gemm_panel)};
+    static const IF(gemm_kind_t) kind = {sizeof(gemm_blk_t), 16, GEMM_MR, IF(gemm_unpack),
+                                         IF(gemm_panel)};
     const int six = qtype == Q6_K;
     int16_t *xp = six ? NULL : IF(gemm_sums32)(a, M);
     if (!six && !xp) return -2;

@@ -1,8 +1,8 @@
 /* Many rows of x against the 32-block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_1R, Q4_1 as
  * held where the kernels run AVX-512) with 512-bit `vpdpbusd`: qdot_gemm.c's panels for x
  * quantized in blocks of 32. Included by qdot_body.c in its AVX512-VNNI copy only, after
- * qdot_gemm.c, whose constants (GEMM_MR, GEMM_XBYTES, ...), f16 helper, stores and driver
- * (gemm_drive: x's row blocks, threads, prefetch of the next panel) it shares; taken
+ * qdot_gemm.c, whose GEMM_MR, f16 helper and stores it shares (and qdot_drive.c's driver:
+ * x's row blocks, threads, prefetch of the next panel); taken
  * from INT_GEMM_ROWS where qdot.c's int_rows_for sends those types' rows to the integer path
  * (without AMX-INT8 every row count; with it up to 40 or 63 rows: see there, and the
  * figures that set it).
@@ -180,7 +180,8 @@ static int32_t *IF(g32_sums)(const acts_t *a, int64_t M, int off) {
 static int IF(qlinear_gemm32)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
                               int64_t row_bytes, int qtype, const float *bias, float *out,
                               int64_t ldo, int threads) {
-    static const IF(gemm_kind_t) kind = {sizeof(g32_blk_t), IF(g32_unpack), IF(g32_panel)};
+    static const IF(gemm_kind_t) kind = {sizeof(g32_blk_t), 16, GEMM_MR, IF(g32_unpack),
+                                         IF(g32_panel)};
     const int off = g32_offset(qtype);
     int32_t *xo = IF(g32_sums)(a, M, off);
     if (off && !xo) return -2;
