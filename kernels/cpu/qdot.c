@@ -61,12 +61,11 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
 #define INT_GEMM_ROWS 5
 /* AVX2 (and AVX-VNNI) take qdot_gemm8.c's panels for the K types from these rows, the row
  * kernels below; and the K types on the integer path at every row count (no AMX there):
- * the panels ran 1.7x the row kernels' speed at 256 rows, which level with the fp32 panels
- * at about 128. Q4_K at 4096 x 11008, 2 threads of an AMD EPYC (Zen 3), panels against the
- * row kernels: 0.6x at 1 row, 1.1x at 8, 1.3x at 16, 1.4x at 32, 1.7x at 256; Q6_K (its
- * unpacking costs twice Q4_K's): 0.7x at 8, 1.0x at 16, 1.2x at 32, 1.7x at 256. */
+ * the panels ran 1.7-2x the row kernels' speed at 256 rows, which level with the fp32
+ * panels at about 128. 4096 x 11008, 2 threads of an AMD EPYC (Zen 3), panels against the
+ * row kernels, Q4_K: 0.6x at 1 row, 1.1x at 8, 1.3x at 16, 1.4x at 32, 1.8x at 256; Q6_K:
+ * 0.6x, 1.0x, 1.3x, 1.4x, 2.0x. */
 #define INT_GEMM8_ROWS 8
-#define INT_GEMM8_ROWS_Q6K 24
 static int gemm_rows_set = 0;
 /* Rows from which the integer path runs the panels (qdot_gemm.c, qdot_gemm32.c on
  * AVX512-VNNI; qdot_gemm8.c for the K types below it) instead of the row kernels: rows > 0
@@ -75,9 +74,7 @@ int rf_qset_int_gemm_rows(int rows) {
     if (rows >= 0) gemm_rows_set = rows;
     return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
 }
-static inline int gemm8_rows(int qtype) {
-    return gemm_rows_set ? gemm_rows_set : qtype == Q6_K ? INT_GEMM8_ROWS_Q6K : INT_GEMM8_ROWS;
-}
+static inline int gemm8_rows(void) { return gemm_rows_set ? gemm_rows_set : INT_GEMM8_ROWS; }
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
 static int int_rows_set = 0;

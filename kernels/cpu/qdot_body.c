@@ -377,7 +377,7 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
 #else
-    if (idot_block(qtype) == 256 && M >= gemm8_rows(qtype)) {
+    if (idot_block(qtype) == 256 && M >= gemm8_rows()) {
         const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
         return status;

@@ -21,7 +21,9 @@
 /* one 256-block of an 8-feature panel, unpacked */
 typedef struct {
     __m256i q[64]; /* quad g of every feature (u8: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) */
-    __m256 sc[16]; /* d * sc_j per feature: sub-blocks of 32 (Q4_K, Q5_K: 8) or 16 (Q6_K) */
+    __m256i sc[16]; /* sc_j per feature, twice (int16 pairs): sub-blocks of 32 (Q4_K, Q5_K:
+                     * 8) or 16 (Q6_K) */
+    __m256 d;       /* per feature */
     __m256i mn[8]; /* int16 pairs (mn_2i, mn_2i+1) (Q4_K, Q5_K: 4), Q6_K (sc_2i, sc_2i+1) */
     __m256 dm;     /* what those pairs' sums are scaled by: -dmin, Q6_K -32 d */
 } g8_blk_t;
@@ -66,11 +68,12 @@ static inline void IF(g8_scales)(const uint8_t *p, __m256i idx, int qtype, g8_bl
             __m256i s[4];
             for (int t = 0; t < 4; t++)
                 s[t] = _mm256_srai_epi32(_mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * t)), 24);
-            for (int t = 0; t < 4; t++) o->sc[4 * i + t] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s[t]));
+            for (int t = 0; t < 4; t++)
+                o->sc[4 * i + t] = _mm256_or_si256(_mm256_and_si256(s[t], lo16), _mm256_slli_epi32(s[t], 16));
             o->mn[2 * i] = _mm256_or_si256(_mm256_and_si256(s[0], lo16), _mm256_slli_epi32(s[1], 16));
             o->mn[2 * i + 1] = _mm256_or_si256(_mm256_and_si256(s[2], lo16), _mm256_slli_epi32(s[3], 16));
         }
-        o->dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
+        o->d = d, o->dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
         return;
     }
     const __m256i dd = GATHER(0), wa = GATHER(4), wb = GATHER(8), wc = GATHER(12);
@@ -91,10 +94,10 @@ static inline void IF(g8_scales)(const uint8_t *p, __m256i idx, int qtype, g8_bl
             mn[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c, 4), m15),
                                     _mm256_slli_epi32(_mm256_and_si256(IF(g8_shr)(wb, s8 + 6), m3), 4));
         }
-        o->sc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        o->sc[j] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
     }
     for (int i = 0; i < 4; i++) o->mn[i] = _mm256_or_si256(mn[2 * i], _mm256_slli_epi32(mn[2 * i + 1], 16));
-    o->dm = _mm256_sub_ps(_mm256_setzero_ps(), IF(g8_f16)(dd, 1));
+    o->d = d, o->dm = _mm256_sub_ps(_mm256_setzero_ps(), IF(g8_f16)(dd, 1));
 }
 
 /* features n0 .. n0 + nf - 1 (nf <= 8) of every block, unpacked into o (the quads' layout:
@@ -107,7 +110,7 @@ static void IF(g8_unpack)(const uint8_t *w, int64_t row_bytes, int64_t nb, int q
     __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     idx = _mm256_mullo_epi32(_mm256_min_epi32(idx, _mm256_set1_epi32(nf - 1)),
                              _mm256_set1_epi32((int)row_bytes));
-    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++, o++) {
         const uint8_t *p = w + n0 * row_bytes + b * stride;
         for (int l = 0; l < nn; l++)
@@ -119,13 +122,16 @@ static void IF(g8_unpack)(const uint8_t *w, int64_t row_bytes, int64_t nb, int q
             __m256i ql[32], qh[16];
             for (int i = 0; i < 4; i++) IF(g8_load_t8)(p + 32 * i, row_bytes, nf, ql + 8 * i);
             for (int i = 0; i < 2; i++) IF(g8_load_t8)(p + 128 + 32 * i, row_bytes, nf, qh + 8 * i);
-            for (int g = 0; g < 64; g++) {
-                const int h = g >> 5, r = g & 31;
-                const __m256i l4 = IF(g8_shr)(ql[16 * h + (r & 15)], 4 * (r >> 4));
-                const __m256i h2 = IF(g8_shr)(qh[8 * h + (r & 7)], 2 * (r >> 3));
-                o->q[g] = _mm256_or_si256(_mm256_and_si256(l4, low),
-                                          _mm256_slli_epi32(_mm256_and_si256(h2, three), 4));
-            }
+            const __m256i top = _mm256_set1_epi8(0x30);
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 16; i++) { /* quads r = i and i + 16 of half h */
+                    const __m256i l = ql[16 * h + i];
+                    const __m256i t = i < 8 ? qh[8 * h + i] : _mm256_srli_epi32(qh[8 * h + i - 8], 2);
+                    o->q[32 * h + i] = _mm256_or_si256(
+                        _mm256_and_si256(l, low), _mm256_and_si256(_mm256_slli_epi32(t, 4), top));
+                    o->q[32 * h + 16 + i] = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi32(l, 4), low), _mm256_and_si256(t, top));
+                }
             continue;
         }
         /* Q4_K, Q5_K: qs dword 8c + i holds values 4i .. 4i + 3 of sub-blocks 2c (low
@@ -152,22 +158,20 @@ static void IF(g8_unpack)(const uint8_t *w, int64_t row_bytes, int64_t nb, int q
 
 /* rows m0 .. m0 + mr - 1 of x against the unpacked panel into out's features n0 .. n0 + nf
  * - 1 (+ bias). xp: Q4_K / Q5_K x's sums over 32 as int16 (8 a block and row); Q6_K reads
- * x's sums over 16. run: quads whose int16 pairs are added before the madd. */
+ * x's sums over 16. run: quads whose int16 pairs are added before the madd by the scales. */
 static inline __attribute__((always_inline)) void IF(g8_rows)(
     const int mr, const int six, const int run, const g8_blk_t *o, const acts_t *a,
     const int16_t *xp, int64_t m0, int64_t n0, int nf, const float *bias, float *out,
     int64_t ldo) {
     const int nsub = six ? 16 : 8, quads = six ? 4 : 8;
     const int64_t nb = a->nb, K = a->K;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 tot[G8_MR];
     for (int m = 0; m < mr; m++) tot[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, o++) {
-        __m256 dx[G8_MR];
-        for (int m = 0; m < mr; m++) dx[m] = _mm256_set1_ps(a->d[(m0 + m) * nb + b]);
         const uint8_t *xq = (const uint8_t *)a->q + m0 * K + 256 * b;
+        __m256i is[G8_MR]; /* the block's sum_j sc_j (q . x)_j: exact (< 2^28) */
+        for (int m = 0; m < mr; m++) is[m] = _mm256_setzero_si256();
         for (int j = 0; j < nsub; j++) {
-            __m256i is[G8_MR];
             for (int g0 = 0; g0 < quads; g0 += run) {
                 __m256i s16[G8_MR];
                 for (int m = 0; m < mr; m++) s16[m] = _mm256_setzero_si256();
@@ -177,13 +181,9 @@ static inline __attribute__((always_inline)) void IF(g8_rows)(
                         s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(
                             wq, _mm256_set1_epi32((int)rd32(xq + m * K + 4 * (j * quads + g)))));
                 }
-                for (int m = 0; m < mr; m++) {
-                    const __m256i s32 = _mm256_madd_epi16(s16[m], ones);
-                    is[m] = g0 ? _mm256_add_epi32(is[m], s32) : s32;
-                }
+                for (int m = 0; m < mr; m++)
+                    is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(s16[m], o->sc[j]));
             }
-            for (int m = 0; m < mr; m++)
-                tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_mul_ps(o->sc[j], dx[m]), tot[m]);
         }
         for (int m = 0; m < mr; m++) {
             const int16_t *pairs = six ? a->bs + (m0 + m) * (K / 16) + 16 * b
@@ -192,7 +192,9 @@ static inline __attribute__((always_inline)) void IF(g8_rows)(
             for (int i = 0; i < nsub / 2; i++)
                 im = _mm256_add_epi32(im, _mm256_madd_epi16(o->mn[i], _mm256_set1_epi32(
                     (int)rd32((const uint8_t *)(pairs + 2 * i)))));
-            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(o->dm, dx[m]), tot[m]);
+            const __m256 dx = _mm256_set1_ps(a->d[(m0 + m) * nb + b]);
+            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[m]), _mm256_mul_ps(o->d, dx), tot[m]);
+            tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(o->dm, dx), tot[m]);
         }
     }
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

@@ -22,8 +22,8 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   at every row count without (a 7B Q4_0
   layer on one thread: 2.5-3x the exact paths' speed, which they took above 4 rows before).
   Below AVX512-VNNI (AVX2, AVX-VNNI) the K types take 8-feature panels with maddubs
-  (qdot_gemm8.c) from 8 rows (Q6_K 24), the row kernels below, the integer path at every
-  row count: a 7B Q4_K projection at 16 / 32 / 256 rows 1.3x / 1.4x / 1.7x the row kernels'
+  (qdot_gemm8.c) from 8 rows, the row kernels below, the integer path at every row count:
+  a 7B Q4_K projection at 16 / 32 / 256 rows 1.3x / 1.4x / 1.8x the row kernels'
   speed (2 threads of an AMD EPYC, Zen 3), which had stopped at 16 rows.
 - "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
@@ -220,7 +220,7 @@ def set_int_gemm_rows(rows: int) -> int:
     """From how many rows the integer path unpacks panels of the weight once for all rows of
     x (AVX512-VNNI: 16 features, qdot_gemm.c, qdot_gemm32.c; below it the K types' 8,
     qdot_gemm8.c) instead of once per 4 rows: `rows` > 0 sets it for all, 0 restores the
-    defaults (AVX512-VNNI's 5 is returned; AVX2's are 8, Q6_K 24), -1 only asks."""
+    defaults (AVX512-VNNI's 5 is returned; AVX2's is 8), -1 only asks."""
     lib = library()
     return 0 if lib is None else lib.rf_qset_int_gemm_rows(rows)
 
