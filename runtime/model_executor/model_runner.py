@@ -22,6 +22,7 @@ from radixflow.runtime import models
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.model_executor.cuda_graph import DecodeGraphs
 from radixflow.runtime.model_executor.kv_sizing import check_kv_device
+from radixflow.runtime.model_executor.prefault import prefault as start_prefault
 from radixflow.runtime.model_executor.sampler import sample
 from radixflow.runtime.model_executor.split import SplitTuner
 from radixflow.runtime.model_executor.step_inputs import StepInputs, upload_int64
@@ -275,13 +276,15 @@ class ModelRunner:
         # each layer's pool as a view, made once: indexing the stacked pool per layer and step
         # was 2 select ops a layer (60 a step for SmolLM2), each dispatched through torch
         self.k_layers, self.v_layers = self.k_caches.unbind(0), self.v_caches.unbind(0)
+        # the pool's memory committed at start, as a GPU pool's is (prefault.py: on a
+        # background thread where the kernel can, so the first request need not wait); a
+        # thread to join, or None (done, or not asked)
+        self.kv_prefault = None
         if prefault and self.device.type == "cpu":
-            # Writing every page now commits the pool's memory at start, as a GPU pool's is.
-            # Left to the first writes, each fresh page faults inside a serving step: on this
-            # project's VM, a fresh engine's 64-stream pass spent 0.71-0.81 s of its 20 s in
-            # KV stores, 0.27-0.30 s with the pool written first.
-            self.k_caches.zero_()
-            self.v_caches.zero_()
+            pools = [self.k_caches, self.v_caches]
+            self.kv_prefault = start_prefault(
+                [t for p in pools for t in ((p.data, p.scale) if isinstance(p, Int8KV) else (p,))]
+            )
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.vocab_size = c.vocab_size
         self.inputs = StepInputs(model, shared_prefix)

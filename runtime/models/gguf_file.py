@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from radixflow.kernels import quant
+from radixflow.runtime.models import joined
 from radixflow.runtime.models.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -233,10 +234,21 @@ def _name_map(arch_name: str, num_layers: int, fused: bool) -> dict[str, str]:
     return names
 
 
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's rope permutation of q or k rows (whole rows: any block type)."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+def _unpermuted(rows: int, heads: int) -> np.ndarray:
+    """Where each of a q or k matrix's rows goes to undo llama.cpp's rope permutation: row
+    (head h, i, parity p) of the file is row (h, p, i) of the model (whole rows: any type)."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, 2, half).transpose(0, 2, 1).reshape(-1)
+
+
+def _rope_heads(
+    tensor: TensorInfo, names: dict[str, str], arch: str, heads: tuple[int, int]
+) -> int:
+    """The heads of a llama q or k matrix, whose rows `_pread` puts back in order; else 0."""
+    base = tensor.name.rpartition(".")[0]
+    if arch != "llama" or base not in names or len(tensor.dims) != 2:
+        return 0
+    return heads[0] if base.endswith(".attn_q") else heads[1] if base.endswith(".attn_k") else 0
 
 
 def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Weight]:
@@ -250,7 +262,6 @@ def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Wei
     arch = architecture(layout)
     fused = "phi3" in arch
     names = _name_map(arch, hf_config.num_hidden_layers, fused)
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     check_table(layout, path)
     state: dict[str, Weight] = {}
     costs: dict[str, int] = {}
@@ -271,8 +282,17 @@ def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Wei
              else whole[tensor.offset : tensor.offset + _tensor_bytes(tensor)[1]])
             for tensor in layout.tensors
         ]  # fmt: skip
+        fd, rope = file.fileno(), (hf_config.num_attention_heads, hf_config.num_key_value_heads)
+        targets = _join_targets([t for t, data in pending if data is None], names)
         reads = {
-            tensor.name: readers.submit(_pread, file.fileno(), tensor, path)
+            tensor.name: readers.submit(
+                _pread,
+                fd,
+                tensor,
+                path,
+                _rope_heads(tensor, names, arch, rope),
+                targets.get(tensor.name),
+            )  # fmt: skip
             for tensor, data in pending
             if data is None
         }
@@ -281,8 +301,9 @@ def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Wei
             data = reads[tensor.name].result() if data is None else data
             bar.update(size)
             _read_tensor(
-                tensor, data.reshape(rows, -1), path, names, arch, (heads, kv_heads), state, costs
-            )
+                tensor, data.reshape(rows, -1), path, names, arch, state, costs,
+                targets.get(tensor.name),
+            )  # fmt: skip
     for type_name, cost in costs.items():
         log.warning(
             "%s: %s matrices have no quantized kernel: dequantised to fp32 at load (%.1f MiB)",
@@ -292,18 +313,50 @@ def read_state(path: Path, hf_config: Any, mapped: bool = True) -> dict[str, Wei
 
 
 READERS = 2  # threads reading the tensors that are copied into memory
+IOV_MAX = 1024  # buffers one preadv takes (Linux)
 
 
-def _pread(fd: int, tensor: TensorInfo, path: Path) -> np.ndarray:
-    """The tensor's bytes read from the file at its offset (any thread: no shared position)."""
-    size = _tensor_bytes(tensor)[1]
-    data = np.empty(size, dtype=np.uint8)
-    view, done = memoryview(data), 0
-    while done < size:
-        got = os.preadv(fd, [view[done:]], tensor.offset + done)
+def _join_targets(tensors: list[TensorInfo], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """tensor name -> the rows of the joined matrix it is read into (`joined.join_targets`:
+    the kept matrices among the projections a model joins at load)."""
+    matrices, tensor_of = {}, {}
+    for t in tensors:
+        base = t.name.rpartition(".")[0]
+        if len(t.dims) == 2 and T(t.qtype) in KEPT and base in names:
+            rows, size = _tensor_bytes(t)
+            matrices[names[base]] = (t.qtype, int(t.dims[0]), rows, size // rows)
+            tensor_of[names[base]] = t.name
+    return {tensor_of[m]: rows for m, rows in joined.join_targets(matrices).items()}
+
+
+def _pread(
+    fd: int, tensor: TensorInfo, path: Path, rope_heads: int = 0, into: torch.Tensor | None = None
+) -> np.ndarray:
+    """The tensor's bytes read from the file at its offset (any thread: no shared position),
+    into `into` where given. With `rope_heads`, a q or k matrix's rows land where
+    `_unpermuted` puts them: one copy from the page cache, in the kernel (a permutation after
+    the read took a 7B file 1.8 s on one thread)."""
+    rows, size = _tensor_bytes(tensor)
+    data = np.empty(size, dtype=np.uint8) if into is None else into.numpy().reshape(-1)
+    if rope_heads:
+        width = size // rows
+        whole = memoryview(data)  # sliced per row (numpy slicing per row cost 4 us a row)
+        pending = [
+            whole[d * width : (d + 1) * width] for d in _unpermuted(rows, rope_heads).tolist()
+        ]
+    else:
+        pending = [memoryview(data)]
+    offset, at = tensor.offset, 0  # pending[at:] is what is left to fill
+    while at < len(pending):
+        got = os.preadv(fd, pending[at : at + IOV_MAX], offset)
         if got == 0:
             raise ValueError(f"{path}: tensor {tensor.name} is cut short (the file ends)")
-        done += got
+        offset += got
+        while got:  # the buffers filled dropped, one filled in part cut
+            if got >= len(pending[at]):
+                got, at = got - len(pending[at]), at + 1
+            else:
+                pending[at], got = pending[at][got:], 0
     return data
 
 
@@ -367,14 +420,13 @@ def _read_tensor(
     path: Path,
     names: dict[str, str],
     arch: str,
-    heads: tuple[int, int],
     state: dict[str, Weight],
     costs: dict[str, int],
+    target: torch.Tensor | None = None,
 ) -> None:
     """One tensor (`data`: its rows of bytes as read) into `state` under its Hugging Face
     name: kept block types as QuantWeights over those bytes, the rest dequantized to fp32
     (their bytes added to `costs` by type)."""
-    q_heads, kv_heads = heads
     base, _, kind = tensor.name.rpartition(".")
     if base in ROPE_TABLES:
         return
@@ -383,11 +435,9 @@ def _read_tensor(
     name = f"{names[base]}.{kind}"
     qtype = T(tensor.qtype)
     rows = data.shape[0]
-    if arch == "llama" and base.endswith((".attn_q", ".attn_k")):
-        data = _unpermute(data, q_heads if base.endswith(".attn_q") else kv_heads)
     matrix = len(tensor.dims) == 2
-    if matrix and qtype in KEPT:
-        raw = torch.from_numpy(np.ascontiguousarray(data))
+    if matrix and qtype in KEPT:  # `target`: the rows of a joined matrix it was read into
+        raw = torch.from_numpy(np.ascontiguousarray(data)) if target is None else target
         state[name] = quant.QuantWeight(int(qtype), raw, (rows, int(tensor.dims[0])))
         return
     shape = [int(d) for d in reversed(tensor.dims)]

@@ -26,9 +26,6 @@ registers against fp32 x: the fp32 reference's result up to the order of the add
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import hashlib
 import json
 import logging
@@ -45,6 +42,7 @@ from torch import nn
 from radixflow.kernels import quant
 from radixflow.kernels.cpu import quant as native
 from radixflow.kernels.cpu.native import cpuinfo
+from radixflow.runtime.models.joined import adjacent_rows, huge_empty
 from radixflow.runtime.models.loader import cache_root
 from radixflow.runtime.models.progress import Progress
 from radixflow.runtime.models.weights import CheckpointError, checkpoint_names
@@ -67,8 +65,8 @@ def _joinable(a: Part, b: Part) -> bool:
 
 def _join(parts: Sequence[Part]) -> list[Part]:
     """Neighbouring row ranges of one block type (and no per-row scale) joined into one, each
-    group copied once into memory advised for huge pages (`huge_empty`); fp32 neighbours
-    concatenated."""
+    group copied once into memory advised for huge pages (`huge_empty`), unless it was read
+    there (`joined.adjacent_rows`); fp32 neighbours concatenated."""
     groups: list[list[Part]] = []
     for part in parts:
         last = groups[-1][-1] if groups else None
@@ -85,37 +83,15 @@ def _join(parts: Sequence[Part]) -> list[Part]:
             out.append(torch.cat(group))
         else:
             rows = sum(p.shape[0] for p in group)
-            data = huge_empty((rows, group[0].data.shape[1]))
-            at = 0
-            for p in group:  # copy_ spreads over torch's threads (cat(out=) ran on one)
-                data[at : at + p.shape[0]].copy_(p.data)
-                at += p.shape[0]
+            data = adjacent_rows([p.data for p in group])  # read in place (joined.py)
+            if data is None:
+                data = huge_empty((rows, group[0].data.shape[1]))
+                at = 0
+                for p in group:  # copy_ spreads over torch's threads (cat(out=) ran on one)
+                    data[at : at + p.shape[0]].copy_(p.data)
+                    at += p.shape[0]
             out.append(quant.QuantWeight(group[0].qtype, data, (rows, group[0].shape[1])))
     return out
-
-
-MADV_HUGEPAGE, HUGE = 14, 2 << 20
-
-
-def huge_empty(shape: tuple[int, int]) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose 2 MiB-aligned interior is advised for transparent
-    huge pages before anything touches it (Linux; elsewhere, or where madvise refuses, plain
-    pages). A decode step streams every weight: with 4 KiB pages the TLB misses on the way
-    cost a 7B Q4_K step about 15% (measured on this project's Xeon)."""
-    data = torch.empty(shape, dtype=torch.uint8)
-    start = (data.data_ptr() + HUGE - 1) // HUGE * HUGE
-    end = (data.data_ptr() + data.numel()) // HUGE * HUGE
-    if end > start and _libc() is not None:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
-    return data
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def _for_kernel(part: Part) -> Part:

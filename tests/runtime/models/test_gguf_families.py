@@ -267,3 +267,27 @@ def test_q8_0_weights_under_auto_take_the_x24_kernels(root, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert outs["auto"] == outs["fp32"]
+
+
+def test_joined_projections_are_read_into_their_place(root):
+    """q, k, v (permuted back as read) and gate, up of one block type are read straight into
+    the rows of the matrix they join (runtime/models/joined.py): the model's joined weight
+    is that memory, not a copy, and holds the file's rows in the model's order."""
+    from radixflow.runtime.models import quantized
+
+    source = build_model("llama")
+    path = root / "llama-joined.gguf"
+    write_gguf(path, source, "Q8_0")
+    state = gguf_file.read_state(path, load_hf_config(resolve_model_dir(str(path))))
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    gate, up = (state[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up"))
+    for group in ((q, k, v), (gate, up)):
+        assert group[0].data._base is not None
+        assert all(p.data._base is group[0].data._base for p in group)
+    qkv = quantized.QuantLinear([q, k, v])
+    assert len(qkv.parts) == 1 and qkv.parts[0].data.data_ptr() == q.data.data_ptr()
+    expected = torch.cat([source.model.layers[0].self_attn.q_proj.weight,
+                          source.model.layers[0].self_attn.k_proj.weight,
+                          source.model.layers[0].self_attn.v_proj.weight])  # fmt: skip
+    got = quantized.QuantLinear([q, k, v])(torch.eye(expected.shape[1])).T
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()

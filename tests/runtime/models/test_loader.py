@@ -250,3 +250,31 @@ def test_fim_token_ids_come_from_llama_cpps_gguf_keys(tmp_path) -> None:
     (tmp_path / "gguf.json").write_text(json.dumps({"path": str(path)}))
     assert model_fim_token_ids(tmp_path) == named
     assert model_fim_token_ids(tmp_path / "nowhere") == {}  # a Hugging Face directory
+
+
+def test_rope_rows_are_put_back_as_they_are_read(tmp_path) -> None:
+    """A llama q or k matrix's rows land in the model's order as `_pread` reads them: the
+    same bytes as undoing llama.cpp's permutation after the read (row (h, i, p) of the file
+    is row (h, p, i)), over more rows than one preadv takes (IOV_MAX); a file that ends
+    inside the tensor is refused with its name."""
+    import numpy as np  # noqa: PLC0415
+
+    from radixflow.runtime.models import gguf_file  # noqa: PLC0415
+
+    heads, rows, width = 4, 2 * gguf_file.IOV_MAX + 8, 34  # Q8_0 rows of 32 values
+    data = np.random.default_rng(0).integers(0, 256, (rows, width), dtype=np.uint8)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())
+    tensor = gguf_file.TensorInfo(
+        "blk.0.attn_q.weight", (32, rows), int(gguf.GGMLQuantizationType.Q8_0), 100
+    )
+    half = rows // heads // 2
+    expected = data.reshape(heads, half, 2, width).swapaxes(1, 2).reshape(rows, width)
+    with path.open("rb") as f:
+        got = gguf_file._pread(f.fileno(), tensor, path, heads).reshape(rows, width)
+        assert np.array_equal(got, expected) and not np.array_equal(got, data)
+        plain = gguf_file._pread(f.fileno(), tensor, path).reshape(rows, width)
+        assert np.array_equal(plain, data)
+    path.write_bytes(b"\0" * 100 + data.tobytes()[:-5])
+    with path.open("rb") as f, pytest.raises(ValueError, match="attn_q.weight is cut short"):
+        gguf_file._pread(f.fileno(), tensor, path, heads)

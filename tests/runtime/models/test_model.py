@@ -271,6 +271,8 @@ config = ModelConfig(
 model = CausalLM(config, pick_ops("auto", torch.device("cpu"), config)).eval()
 prefault = sys.argv[1] == "1"
 runner = ModelRunner(model, 1 << 17, prefault=prefault)  # 2 pools of 32 MiB each
+if runner.kv_prefault is not None:  # populated on a thread: done
+    runner.kv_prefault.join()
 pages = runner.k_caches.view(-1)[:: 4096 // 4]  # one float on every 4 KB page
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 pages.fill_(1.0)
@@ -279,7 +281,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def test_cpu_kv_pool_is_prefaulted_unless_disabled():
-    """The runner writes its CPU pool at start, so a step's first KV writes into fresh pages
+    """The runner commits its CPU pool at start (on a thread where the kernel populates
+    pages, runtime/model_executor/prefault.py), so a step's first KV writes into fresh pages
     do not page-fault; `prefault=False` (the Engine's --disable-kv-prefault) leaves them.
     Each case runs in a fresh process: in this one, earlier tests leave freed memory the
     allocator may hand back already faulted, which would hide the difference."""
@@ -295,3 +298,18 @@ def test_cpu_kv_pool_is_prefaulted_unless_disabled():
         faults[prefault] = int(out.split()[-1])
     # 8192 pages of 4 KB (or 16 transparent huge pages of 2 MB) fault unless prefaulted
     assert faults[True] < 10 < faults[False], faults
+
+
+def test_kv_prefault_keeps_what_the_engine_wrote_meanwhile():
+    """The background prefault commits pages without writing them: rows stored in the pool
+    before (or while) it runs are kept; where the kernel cannot populate, the pool is
+    zeroed at once, before anything is stored."""
+    from radixflow.runtime.model_executor import prefault
+
+    pool = torch.from_numpy(np.zeros(1 << 22, dtype=np.float32))  # 16 MiB, pages not yet touched
+    pool[:: 4096 // 4] = 3.0  # the engine's first stores, one a page
+    thread = prefault.prefault([pool])
+    if thread is None:
+        pytest.skip("no MADV_POPULATE_WRITE on this kernel: the pool is zeroed at start")
+    thread.join()
+    assert (pool[:: 4096 // 4] == 3.0).all() and pool.sum().item() == 3.0 * (1 << 22) // 1024
