@@ -13,11 +13,13 @@ writes before the thread reaches its page is kept. Where the kernel lacks it, th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
 import mmap
+import os
 import threading
 
 import torch
@@ -39,7 +41,7 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return madvise
 
 
-CHUNK = 16 << 20  # bytes a call populates: the call holds the process's memory-map lock, which
+CHUNK = 4 << 20  # bytes a call populates: the call holds the process's memory-map lock, which
 # every mmap (a thread's stack, a large allocation) waits for; one call over a 2 GiB pool
 # held a thread's start for 2.7 s
 
@@ -64,13 +66,23 @@ def prefault(tensors: list[torch.Tensor]) -> threading.Thread | None:
     writing zeros, because the kernel cannot populate without writing."""
     if _supported():
         thread = threading.Thread(
-            target=lambda: [_populate(t) for t in tensors], name="kv-prefault", daemon=True
+            target=_populate_all, args=(tensors,), name="kv-prefault", daemon=True
         )
         thread.start()
         return thread
     for t in tensors:
         t.zero_()
     return None
+
+
+def _populate_all(tensors: list[torch.Tensor]) -> None:
+    """The thread's work, at the lowest priority (Linux: this thread's nice 19), so that the
+    engine's own threads keep the cores while both run: with the default priority a 7B
+    model's first token took 1.3 s instead of 0.6."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    for t in tensors:
+        _populate(t)
 
 
 @functools.cache
