@@ -66,6 +66,12 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * row kernels, Q4_K: 0.6x at 1 row, 1.1x at 8, 1.3x at 16, 1.4x at 32, 1.8x at 256; Q6_K:
  * 0.6x, 1.0x, 1.3x, 1.4x, 2.0x. */
 #define INT_GEMM8_ROWS 8
+/* and the 32-block types with 4- or 5-bit quants (qdot_gemm8_32.c) from 4 rows, the int8
+ * mode's row kernels below (Q4_0, 4096 x 11008, the same machine: panels 1.0x the row kernels
+ * at 1 row, 1.5x at 4, 1.9x at 8, 2.3x at 16, 2.9x at 256; Q4_1R 0.8x, 1.2x, 1.6x, 2.1x,
+ * 2.7x; Q5_0 0.9x, 1.4x, 2.1x, 2.4x, 3.4x); Q8_0 keeps its row kernels (above 4 rows the
+ * exact paths) */
+#define INT_GEMM8_ROWS_32 4
 static int gemm_rows_set = 0;
 /* Rows from which the integer path runs the panels (qdot_gemm.c, qdot_gemm32.c on
  * AVX512-VNNI; qdot_gemm8.c for the K types below it) instead of the row kernels: rows > 0
@@ -74,7 +80,6 @@ int rf_qset_int_gemm_rows(int rows) {
     if (rows >= 0) gemm_rows_set = rows;
     return gemm_rows_set ? gemm_rows_set : INT_GEMM_ROWS;
 }
-static inline int gemm8_rows(void) { return gemm_rows_set ? gemm_rows_set : INT_GEMM8_ROWS; }
 static int act_mode = -1;  /* 0 fp32 activations (exact), 1 int8, 2 auto */
 static int idot_level = -1;
 static int int_rows_set = 0;
@@ -95,6 +100,15 @@ static inline int idot_type(int qtype) {
 }
 static inline int idot_block(int qtype) {
     return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K ? 256 : 32;
+}
+
+/* the offset subtracted from the u8 values (Q4_0, Q5_0, Q8_0), else 0 (m * sum instead) */
+static inline int g32_offset(int qtype) {
+    return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : 0;
+}
+
+static inline int gemm8_rows(int qtype) {
+    return gemm_rows_set ? gemm_rows_set : idot_block(qtype) == 256 ? INT_GEMM8_ROWS : INT_GEMM8_ROWS_32;
 }
 
 /* Q4_K / Q5_K: a block's 12 bytes of 6-bit scales and mins (at s) as 8 bytes each. As words
@@ -173,7 +187,7 @@ static inline int int_rows_for(int qtype, int amx_int) {
     if (int_rows_set) return int_rows_set;
     const int gemm = rf_qset_int_isa(-1) == IDOT_VNNI512;
     if (idot_block(qtype) != 256)
-        return !gemm      ? INT_ROWS_32
+        return !gemm      ? (amx_int || !g8b_type(qtype) ? INT_ROWS_32 : INT_ROWS_32_GEMM)
                : !amx_int ? INT_ROWS_32_GEMM
                : qtype == Q4_1 || qtype == Q4_1R || qtype == Q5_1 ? INT_ROWS_32M_GEMM_AMX
                                                                    : INT_ROWS_32_GEMM_AMX;

@@ -344,6 +344,7 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
 #else
 #include "qdot_drive.c"
 #include "qdot_gemm8.c" /* many rows: Q4_K, Q5_K, Q6_K panels of 8 features for maddubs */
+#include "qdot_gemm8_32.c" /* and the 32-block types' with 4- or 5-bit quants */
 #endif
 
 static inline __attribute__((always_inline)) void IF(row)(
@@ -377,8 +378,11 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
 #else
-    if (idot_block(qtype) == 256 && M >= gemm8_rows()) {
-        const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    if ((idot_block(qtype) == 256 || g8b_type(qtype)) && M >= gemm8_rows(qtype)) {
+        const int status =
+            idot_block(qtype) == 256
+                ? IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads)
+                : IF(qlinear_gemm8_32)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
         return status;
     }

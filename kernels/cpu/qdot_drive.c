@@ -18,6 +18,22 @@ static int16_t *IF(gemm_sums32)(const acts_t *a, int64_t M) {
     return xp;
 }
 
+/* off times x's sums over each 32-block: M * nb int32 (NULL where off is 0 or no memory) */
+static int32_t *IF(g32_sums)(const acts_t *a, int64_t M, int off) {
+    const int64_t n = M * a->nb;
+    int32_t *xo = off ? aligned_alloc(64, (size_t)(n * 4 + 63) / 64 * 64) : NULL;
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int64_t i = 0; xo && i < n; i++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(a->q + 32 * i));
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), _mm256_set1_epi16(1));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        xo[i] = off * _mm_cvtsi128_si32(t);
+    }
+    return xo;
+}
+
 /* One family's panels: the size of an unpacked block, the features a panel holds (width),
  * the rows of x its kernel takes at a time (mr), the unpacking of a panel's features and
  * the run of rows over them */

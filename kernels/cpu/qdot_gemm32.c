@@ -24,11 +24,6 @@ typedef struct {
     __m512 d, m;  /* per feature: d, and m where the type has a minimum */
 } g32_blk_t;
 
-/* the offset subtracted from the u8 values (Q4_0, Q5_0, Q8_0), else 0 (m * sum instead) */
-static inline int g32_offset(int qtype) {
-    return qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : qtype == Q8_0 ? 128 : 0;
-}
-
 /* 16 bytes at p + l * stride for each of the panel's rows l (from nf: zero) as 4 dwords
  * across the features: t[i] lane l = dword i of row l */
 static inline void IF(g32_load4)(const uint8_t *p, int64_t stride, int nf, __m512i t[4]) {
@@ -159,22 +154,6 @@ static void IF(g32_panel)(int mins, const void *blocks, const acts_t *a, const v
     }
 }
 #undef G32_CASE
-
-/* off times x's sums over each 32-block: M * nb int32 (NULL where off is 0 or no memory) */
-static int32_t *IF(g32_sums)(const acts_t *a, int64_t M, int off) {
-    const int64_t n = M * a->nb;
-    int32_t *xo = off ? aligned_alloc(64, (size_t)(n * 4 + 63) / 64 * 64) : NULL;
-    const __m256i ones = _mm256_set1_epi8(1);
-    for (int64_t i = 0; xo && i < n; i++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(a->q + 32 * i));
-        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), _mm256_set1_epi16(1));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-        xo[i] = off * _mm_cvtsi128_si32(t);
-    }
-    return xo;
-}
 
 /* out = x w^T (+ bias) for a 32-block type, x already quantized (a); -2 on no memory */
 static int IF(qlinear_gemm32)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,

@@ -24,7 +24,11 @@ RADIXFLOW_QUANT_ACTIVATIONS):
   Below AVX512-VNNI (AVX2, AVX-VNNI) the K types take 8-feature panels with maddubs
   (qdot_gemm8.c) from 8 rows, the row kernels below, the integer path at every row count:
   a 7B Q4_K projection at 16 / 32 / 256 rows 1.3x / 1.4x / 1.8x the row kernels'
-  speed (2 threads of an AMD EPYC, Zen 3), which had stopped at 16 rows.
+  speed (2 threads of an AMD EPYC, Zen 3), which had stopped at 16 rows. The 32-block
+  types with 4- or 5-bit quants (Q4_0, Q4_1, Q4_1R, Q5_0, Q5_1) take such panels there too
+  (qdot_gemm8_32.c) from 4 rows, at every row count the int8 mode (or `auto-big`'s
+  batches) gives them (a 7B Q4_0 projection at 16 rows 2.3x the row kernels, 1.9x the
+  exact panels); Q8_0 keeps the row kernels up to 4 rows.
 - "fp32" (exact): the weight dequantized in registers against fp32 x, described below.
 
 - ISA: AVX-512, AVX2+FMA+F16C and a baseline path in one library, picked at run time;
