@@ -379,10 +379,7 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
 #else
     if ((idot_block(qtype) == 256 || g8b_type(qtype)) && M >= gemm8_rows(qtype)) {
-        const int status =
-            idot_block(qtype) == 256
-                ? IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads)
-                : IF(qlinear_gemm8_32)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
+        const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
         return status;
     }

@@ -1,7 +1,8 @@
 /* Many rows of x against Q4_K, Q5_K and Q6_K weights on AVX2 (`maddubs`, no AVX512-VNNI):
  * qdot_gemm.c's scheme in 256-bit vectors, for batched decode steps and prefill chunks on
  * CPUs such as AMD Zen 2 / Zen 3. Included by qdot_body.c in its AVX2 and AVX-VNNI copies
- * (which have AVX2's maddubs), after qdot_drive.c; taken from rf_qset_int_gemm_rows rows.
+ * (which have AVX2's maddubs), after qdot_drive.c; taken from gemm8_rows() rows through
+ * qlinear_gemm8 (in qdot_gemm8_32.c, the entry of both families' panels).
  *
  * Why: the row kernels unpack a weight row for every 4 rows of x and spend two multiplies on
  * each 32 weights and row (maddubs, then madd by the sub-block scales). Here a panel of 8
@@ -228,17 +229,3 @@ static void IF(g8_panel)(int qtype, const void *blocks, const acts_t *a, const v
     }
 }
 #undef G8_CASES
-
-/* out = x w^T (+ bias) for a K type, x already quantized (a); -2 on no memory */
-static int IF(qlinear_gemm8)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
-                             int64_t row_bytes, int qtype, const float *bias, float *out,
-                             int64_t ldo, int threads) {
-    static const IF(gemm_kind_t) kind = {sizeof(g8_blk_t), 8, G8_MR, IF(g8_unpack),
-                                         IF(g8_panel)};
-    int16_t *xp = qtype == Q6_K ? NULL : IF(gemm_sums32)(a, M);
-    if (qtype != Q6_K && !xp) return -2;
-    const int status =
-        IF(gemm_drive)(&kind, qtype, xp, a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
-    free(xp);
-    return status;
-}

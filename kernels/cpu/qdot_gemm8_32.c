@@ -157,17 +157,22 @@ static void IF(g8b_panel)(int qtype, const void *blocks, const acts_t *a, const 
 }
 #undef G8B_CASES
 
-/* out = x w^T (+ bias) for a g8b_type, x already quantized (a); -2 on no memory */
-static int IF(qlinear_gemm8_32)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
-                                int64_t row_bytes, int qtype, const float *bias, float *out,
-                                int64_t ldo, int threads) {
-    static const IF(gemm_kind_t) kind = {sizeof(g8b_blk_t), 8, G8_MR, IF(g8b_unpack),
-                                         IF(g8b_panel)};
-    const int off = g32_offset(qtype);
-    int32_t *xo = IF(g32_sums)(a, M, off);
-    if (off && !xo) return -2;
-    const int status =
-        IF(gemm_drive)(&kind, qtype, xo, a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
-    free(xo);
+/* out = x w^T (+ bias) over AVX2's panels, x already quantized (a): a K type's (qdot_gemm8.c,
+ * x's sums over 32 for Q4_K / Q5_K's minima) or a g8b_type's (x's block sums times the
+ * type's offset); -2 on no memory */
+static int IF(qlinear_gemm8)(const acts_t *a, int64_t M, const uint8_t *w, int64_t N,
+                             int64_t row_bytes, int qtype, const float *bias, float *out,
+                             int64_t ldo, int threads) {
+    static const IF(gemm_kind_t) k_kind = {sizeof(g8_blk_t), 8, G8_MR, IF(g8_unpack),
+                                           IF(g8_panel)};
+    static const IF(gemm_kind_t) kind32 = {sizeof(g8b_blk_t), 8, G8_MR, IF(g8b_unpack),
+                                           IF(g8b_panel)};
+    const int k = idot_block(qtype) == 256, off = g32_offset(qtype);
+    void *sums = k ? (qtype == Q6_K ? NULL : (void *)IF(gemm_sums32)(a, M))
+                   : (void *)IF(g32_sums)(a, M, off);
+    if (!sums && (k ? qtype != Q6_K : off != 0)) return -2;
+    const int status = IF(gemm_drive)(k ? &k_kind : &kind32, qtype, sums, a, M, w, N,
+                                      row_bytes, qtype, bias, out, ldo, threads);
+    free(sums);
     return status;
 }
