@@ -66,12 +66,12 @@ enum { IDOT_AVX2 = 0, IDOT_AVXVNNI = 1, IDOT_VNNI512 = 2 };
  * row kernels, Q4_K: 0.6x at 1 row, 1.1x at 8, 1.3x at 16, 1.4x at 32, 1.8x at 256; Q6_K:
  * 0.6x, 1.0x, 1.3x, 1.4x, 2.0x. */
 #define INT_GEMM8_ROWS 8
-/* and the 32-block types with 4- or 5-bit quants (qdot_gemm8_32.c) from 4 rows, the int8
- * mode's row kernels below (Q4_0, 4096 x 11008, the same machine: panels 1.0x the row kernels
- * at 1 row, 1.5x at 4, 1.9x at 8, 2.3x at 16, 2.9x at 256; Q4_1R 0.8x, 1.2x, 1.6x, 2.1x,
- * 2.7x; Q5_0 0.9x, 1.4x, 2.1x, 2.4x, 3.4x); Q8_0 keeps its row kernels (above 4 rows the
- * exact paths) */
-#define INT_GEMM8_ROWS_32 4
+/* and the 32-block types with 4- or 5-bit quants (qdot_gemm8_32.c) from 2 rows, the int8
+ * mode's row kernels below (Q4_0, 4096 x 11008, the same machine: panels 1.3x the row kernels
+ * at 2 rows, 1.4x at 3, 1.5x at 4, 1.9x at 8, 2.3x at 16, 2.9x at 256; Q4_1 1.1x, 1.3x at 2,
+ * 3 rows; Q5_0, Q5_1 1.1x, 1.3x; Q4_1R 1.2x at 4, 1.6x at 8, 2.1x, 2.7x; at one row the row
+ * kernels win: 0.6-0.95x); Q8_0 keeps its row kernels (above 4 rows the exact paths) */
+#define INT_GEMM8_ROWS_32 2
 static int gemm_rows_set = 0;
 /* Rows from which the integer path runs the panels (qdot_gemm.c, qdot_gemm32.c on
  * AVX512-VNNI; qdot_gemm8.c for the K types below it) instead of the row kernels: rows > 0

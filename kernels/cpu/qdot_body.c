@@ -345,6 +345,7 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
 #include "qdot_drive.c"
 #include "qdot_gemm8.c" /* many rows: Q4_K, Q5_K, Q6_K panels of 8 features for maddubs */
 #include "qdot_gemm8_32.c" /* and the 32-block types' with 4- or 5-bit quants */
+#include "qdot_row32.c" /* one row of x against Q4_0, Q4_1: eight blocks at a time */
 #endif
 
 static inline __attribute__((always_inline)) void IF(row)(
@@ -377,7 +378,10 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
         return status;
     }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
+    const int oct = 0;
 #else
+    const int oct = M == 1 && IF(oct_type)(qtype, a.nb);
+    if (oct) IF(oct_order)(&a);
     if ((idot_block(qtype) == 256 || g8b_type(qtype)) && M >= gemm8_rows(qtype)) {
         const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
@@ -399,6 +403,13 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
         const int64_t end = (ci + 1) * chunk < N ? (ci + 1) * chunk : N;
         for (int64_t r = ci * chunk; r < end; r++) {
             const uint8_t *p = w + r * row_bytes;
+#ifndef IDOT_ZMM
+            if (oct) {
+                const float v = IF(row32_oct)(p, row_bytes, qtype, &a);
+                out[r] = bias ? v + bias[r] : v;
+                continue;
+            }
+#endif
             for (int64_t m0 = 0; m0 < M; m0 += IDOT_ROWS) {
                 acts_t am = a; /* rows m0 .. of x */
                 am.q = a.q + m0 * K, am.d = a.d + m0 * a.nb, am.s = a.s + m0 * a.nb;

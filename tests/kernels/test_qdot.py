@@ -113,21 +113,30 @@ def test_which_calls_take_it(no_amx: None) -> None:
     assert (got - quant.linear(y, f16)).abs().max() <= 1e-4 * got.abs().max()
 
 
-def test_a_big_models_auto_takes_int8_for_batches_only() -> None:
-    """`auto-big` (`auto` on a model of 1e9 weights or more) on a 32-block type: the exact
-    fused kernels for 1-4 rows (`auto`'s own result, bit for bit), int8 activations from 5
-    (the int8 mode's result, bit for bit: the integer path, or where the CPU has AMX its
-    int8 tiles); a K type is int8 at every row count, as under `auto`."""
+def test_a_big_models_auto_takes_int8_for_batches_only(int_isa: str) -> None:
+    """`auto-big` (`auto` on a model of 1e9 weights or more) on a 32-block type: with
+    AVX512-VNNI the exact fused kernels for 1-4 rows (`auto`'s own result, bit for bit),
+    int8 activations from 5 (the int8 mode's result, bit for bit: the integer path, or where
+    the CPU has AMX its int8 tiles); below it, where the integer kernels win at fewer rows,
+    int8 at every row count for Q4_0 and Q4_1 (one row on qdot_row32.c, 2-4 on the panels)
+    and exact at 1-4 rows for Q8_0. A K type is int8 at every row count, as under `auto`."""
     w = random_weight(quant.Q4_0, 48, 512)
     x = torch.randn((16, 512), generator=torch.Generator().manual_seed(8))
     exact = quant.linear(x, w)
-    for rows in (1, 4):
+    for rows in (1, 2, 4):
         got = native_quant.linear(x[:rows], w, activations="auto-big")
-        assert torch.equal(got, native_quant.linear(x[:rows], w, activations="auto"))
-        assert (got - exact[:rows]).abs().max() <= 1e-4 * exact.abs().max()
+        if int_isa == "avx512-vnni":
+            assert torch.equal(got, native_quant.linear(x[:rows], w, activations="auto"))
+            assert (got - exact[:rows]).abs().max() <= 1e-4 * exact.abs().max()
+        else:
+            assert torch.equal(got, native_quant.linear(x[:rows], w, activations="int8"))
+            assert (got - exact[:rows]).abs().max() > 1e-4 * exact.abs().max()
     for rows in (5, 16):
         got = native_quant.linear(x[:rows], w, activations="auto-big")
         assert torch.equal(got, native_quant.linear(x[:rows], w, activations="int8"))
+    w8 = random_weight(quant.Q8_0, 16, 512)
+    got = native_quant.linear(x[:1], w8, activations="auto-big")
+    assert torch.equal(got, native_quant.linear(x[:1], w8, activations="auto"))
     batch = native_quant.linear(x, w, activations="auto-big")
     if native_quant.set_amx_int_rows(-1):  # int8 tiles take 16 rows: 8-bit activations
         assert (batch - exact).abs().max() > 1e-3
