@@ -148,3 +148,13 @@ def test_steps_that_show_contention_bring_the_reading_forward(proc):
     assert governor.tick(start + 0.3) == 2 and governor._last[0] == start
     governor.stepped(0.3, 0.3)  # now 0.9 of 1.2 thread-seconds: 0.75
     assert governor.tick(start + 0.6) == 1 and governor._last[0] == start + 0.6
+
+
+def test_what_loading_made_is_frozen_out_of_the_collector(engine) -> None:
+    """The model (and what else loading made) is out of the cyclic collector's generations,
+    so its full collections, every few hundred serving steps, do not walk it."""
+    import gc  # noqa: PLC0415
+
+    model = engine.scheduler.runner.model
+    assert gc.get_freeze_count() > 10_000
+    assert not any(o is model for o in gc.get_objects())
