@@ -256,20 +256,22 @@ int64_t rf_qset_fused_split(int64_t work) {
  * kernels' rows (a decode of 1-4 streams: exact, and the integer path measured no faster
  * there), RF_INT8_ACTS above (batches and prefill: 7B Q4_0, 16 streams, 1.9x the exact).
  * Below AVX512-VNNI the integer path wins at fewer rows too: one row of Q4_0 or Q4_1
- * (qdot_row32.c; 4096 x 11008, 2 threads of an AMD EPYC: 0.99 ms against the exact
- * kernel's 1.69) and from 2 rows the 4- and 5-bit types' panels (qdot_gemm8_32.c: Q4_0 at 2
- * rows 2.1 ms, the exact 2.3-2.7). qtype without its flags. */
-static int acts_for_rows(int acts, int qtype, int64_t K, int64_t M) {
+ * (qdot_row32.c; 4096 x 11008, 2 threads of an AMD EPYC: 0.90-0.99 ms against the exact
+ * kernel's 1.56-1.69), of Q5_0 or Q5_1 (the row kernels: 1.7-1.8 ms against 4.0), and from 2
+ * rows the 4- and 5-bit types' panels (qdot_gemm8_32.c: Q4_0 at 2 rows 2.1 ms, the exact
+ * 2.3-2.7). Q8_0 stays exact (its row kernel 1.65 ms, the exact 1.63). qtype without its
+ * flags. */
+static int acts_for_rows(int acts, int qtype, int64_t M) {
     if (acts != RF_BATCH_ACTS) return acts;
     if (M > FUSED_ROWS) return RF_INT8_ACTS;
 #ifdef QUANT_X86
     const int int_isa = rf_qset_int_isa(-1);
     if (int_isa >= 0 && int_isa != IDOT_VNNI512 &&
-        (M == 1 ? (qtype == Q4_0 || qtype == Q4_1) && K % 256 == 0
+        (M == 1 ? qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q5_1
                 : g8b_type(qtype) && M >= gemm8_rows(qtype)))
         return RF_INT8_ACTS;
 #else
-    (void)qtype, (void)K;
+    (void)qtype;
 #endif
     return RF_TILES_ACTS;
 }
@@ -306,7 +308,7 @@ static int x24_for(int acts, int qtype, int64_t M) {
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
-    const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, K, M);
+    const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, M);
     qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || M < 0 || N < 0) return -1;
     if (M == 0 || N == 0) return 0;
@@ -436,7 +438,7 @@ static int team_size(void) {
  * activation flags): the exact fused path (fp32 activations, a type with a fused kernel for
  * M rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
 int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const float *scale) {
-    const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, K, M);
+    const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, M);
     qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || scale || M < 1 || K > TEAM_MAX_K) return 0;
 #ifdef QUANT_X86
@@ -459,8 +461,9 @@ int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const flo
 void rf_qteam_linear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                      int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
                      int64_t ldo) {
-    const int x24 = x24_for(acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, K, M), qtype & ~RF_ACTS, M);
+    const int flags = qtype & RF_ACTS;
     qtype &= ~RF_ACTS;
+    const int x24 = x24_for(acts_for_rows(flags, qtype, M), qtype, M);
     const int nt = team_size();
     switch (isa()) {
 #ifdef QUANT_X86
