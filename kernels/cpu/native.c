@@ -318,6 +318,11 @@ static inline __attribute__((always_inline)) void attend(
     attend(qt, kt, vt, kst, vst, D, Hkv * D, first + runs, count + runs, num_runs, nh, G,  \
            C, BF, scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ATTEND8 /* AVX2's widest vectors: every task on 8-float vectors */
+#include "attend_avx2.h"
+#endif
+
 typedef struct { int64_t cost, b, h0, nh; } Task;
 #define ATTENTION_SPLIT (1 << 19) /* keys x query heads x head_dim: about 30 us of work */
 
@@ -403,6 +408,12 @@ static int attention_tasks(const float *q, int64_t q_stride, const void *k, cons
         const char *kt = (const char *)k + h0 * D * es, *vt = (const char *)v + h0 * D * es;
         const float *kst = k_scale ? k_scale + h0 : NULL, *vst = v_scale ? v_scale + h0 : NULL;
         float *ot = out + (b * Hkv + h0) * G * D;
+#ifdef ATTEND8
+        attend8(qt, kt, vt, kst, vst, D, Hkv * D, kv_type, first + runs, count + runs, num_runs,
+                nh, G, D, scale, cap, ot, lse + (b * Hkv + h0) * G);
+        (void)next_slot, (void)next_count;
+        continue;
+#endif
         if (kv_type == 3) {
             SHAPES(3)
         } else if (kv_type == 2) {
