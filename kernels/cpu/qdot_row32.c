@@ -8,10 +8,11 @@
  * 16 bytes of nibbles each, side by side), their products summed in int16 (at most
  * 2 x 2 x 15 x 127) and in int32 pairs, and eight blocks' sums brought into one vector by
  * three hadds (blocks 0, 2, 4, 6, 1, 3, 5, 7), so the fp16 scales, x's scales and sums, the
- * conversion and the fmas are done once for eight blocks. x is read in the order oct_order
- * puts it in: in each 64 bytes (two blocks), the middle 16-byte pieces swapped, so that the
- * low nibbles' x of both blocks (elements 0-15 of each) is one load and the high nibbles'
- * another. */
+ * conversion and the fmas are done once for eight blocks (4096 x 11008, 2 threads of an
+ * AMD EPYC, Zen 3: Q4_0 1.56 -> 0.90-0.99 ms, Q4_1 1.84-1.96 -> 0.98 ms). x is read in the
+ * order oct_order puts it in: in each 64 bytes (two blocks), the middle 16-byte pieces
+ * swapped, so that the low nibbles' x of both blocks (elements 0-15 of each) is one load
+ * and the high nibbles' another. */
 
 /* Q4_0 or Q4_1 with whole groups of eight blocks (K a multiple of 256) */
 static inline int IF(oct_type)(int qtype, int64_t nb) {
