@@ -16,6 +16,8 @@
  *     the block's keys stream by (one load and G fmas a key).
  * Same arguments, layout and results (up to summation order) as attend(). */
 
+#include "lanes_avx2.h"
+
 #define BLOCK8 64 /* keys per online-softmax block */
 
 /* 8 pool elements at element `at` of a pool of kind 0 fp32, 1 bf16, 2 fp16, 3 int8 (its
@@ -66,18 +68,6 @@ static inline __m256 tanh8(__m256 x) {
     const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.f), e),
                                    _mm256_add_ps(_mm256_set1_ps(1.f), e));
     return _mm256_or_ps(t, _mm256_and_ps(x, sign));
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* attend() for NH KV heads of G rows each: q + (h G + g) D, heads hs elements apart in a

@@ -378,15 +378,14 @@ static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
         return status;
     }
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
-    const int oct = 0;
 #else
-    const int oct = M == 1 && IF(oct_type)(qtype, a.nb);
-    if (oct) IF(oct_order)(&a);
     if ((idot_block(qtype) == 256 || g8b_type(qtype)) && M >= gemm8_rows(qtype)) {
         const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
         free(a.q);
         return status;
     }
+    const int oct = M == 1 && IF(oct_type)(qtype, a.nb); /* x reordered for the row kernel */
+    if (oct) IF(oct_order)(&a);
 #endif
     /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same
      * measure of work; dynamic chunks of rows, so a preempted thread's share goes elsewhere */

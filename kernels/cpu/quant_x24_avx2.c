@@ -20,23 +20,13 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "lanes_avx2.h"
+
 #define X24A_PAIR 224 /* bytes of x's parts a pair of blocks: 6 x 32, 8 floats of dx */
 
 /* bytes of x24a_split's output for M rows of K */
 static inline size_t x24a_bytes(int64_t M, int64_t K) {
     return (size_t)(M * ((K / 32 + 1) / 2) * X24A_PAIR);
-}
-
-static inline float x24a_hmax(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float x24a_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* 32 int32 (a[0..3], values within a signed byte) as 32 bytes in order */
@@ -67,7 +57,7 @@ static void x24a_split(const float *x, int64_t M, int64_t ldx, int64_t K, uint8_
                 top = _mm256_max_ps(top, _mm256_andnot_ps(sign, xv[k]));
                 odd = _mm256_or_ps(odd, _mm256_cmp_ps(xv[k], xv[k], _CMP_UNORD_Q));
             }
-            const float amax = x24a_hmax(top);
+            const float amax = hmax8(top);
             float dx = amax / V24_MAX, inv = V24_MAX / amax;
             if (!(amax <= 3.4e38f) || _mm256_movemask_ps(odd)) /* inf or NaN */
                 dx = __builtin_nanf(""), inv = 0.f;
@@ -163,7 +153,7 @@ static inline __attribute__((always_inline)) void x24a_rows(
             }
         }
     }
-    for (int i = 0; i < nw * mr; i++) s[i] = x24a_hsum(a[i]);
+    for (int i = 0; i < nw * mr; i++) s[i] = hsum8(a[i]);
 }
 
 /* out[:, r .. end] of M (1-4) rows of split x (x24a_split's) against Q4_1R rows of w */
