@@ -144,14 +144,21 @@ static inline void k4_packed(const uint8_t *s, uint64_t *scales, uint64_t *mins)
 #include "qdot_body.c"
 #pragma GCC pop_options
 
+/* The best integer instructions the CPU has; probed once (CPUID traps to the hypervisor in
+ * a VM, tens of microseconds, and this is asked on every integer call). */
 static int idot_best(void) {
+    static int best = -1;
+    if (best >= 0) return best;
     __builtin_cpu_init();
+    unsigned a, b, c, d;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw"))
-        return IDOT_VNNI512;
-    unsigned a, b, c, d;
-    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4))) return IDOT_AVXVNNI;
-    return IDOT_AVX2;
+        best = IDOT_VNNI512;
+    else if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4)))
+        best = IDOT_AVXVNNI;
+    else
+        best = IDOT_AVX2;
+    return best;
 }
 
 /* The integer path's instructions: 2 AVX512-VNNI, 1 AVX-VNNI, 0 AVX2 maddubs; `want` >= 0
@@ -205,6 +212,30 @@ static int qlinear_int(const float *x, int64_t M, int64_t ldx, int64_t K, const 
         return qlinear_int_avxvnni(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
     default:
         return qlinear_int_avx2i(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, threads);
+    }
+}
+
+/* qlinear_int's row kernels by every thread of a team (qdot_body.c: qlinear_int_team) */
+static void qlinear_int_team(const float *x, int64_t M, int64_t ldx, int64_t K,
+                             const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
+                             const float *bias, float *out, int64_t ldo, int nt) {
+    switch (rf_qset_int_isa(-1)) {
+    case IDOT_VNNI512:
+        qlinear_int_team_vnni512(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        return;
+    case IDOT_AVXVNNI:
+        qlinear_int_team_avxvnni(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        return;
+    default: qlinear_int_team_avx2i(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+    }
+}
+
+/* 1 where qlinear_int takes its panels for M rows of qtype (not the row kernels) */
+static int int_panels(int qtype, int64_t M) {
+    switch (rf_qset_int_isa(-1)) {
+    case IDOT_VNNI512: return int_panels_vnni512(qtype, M);
+    case IDOT_AVXVNNI: return int_panels_avxvnni(qtype, M);
+    default: return int_panels_avx2i(qtype, M);
     }
 }
 

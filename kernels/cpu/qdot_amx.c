@@ -24,9 +24,15 @@
 #define AMXB_ROWS 64 /* and from which bf16 tile products alone (quant_amx.c, one pass) */
 static int amxi_rows_set = 0, amxb_rows_set = 0;
 
+/* (probed once: CPUID traps to the hypervisor in a VM, and this is asked on every call) */
 static int amxi_usable(void) {
+    static int usable = -1;
+    int state = __atomic_load_n(&usable, __ATOMIC_RELAXED);
+    if (state >= 0) return state;
     unsigned a, b, c, d;
-    return amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+    state = amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+    __atomic_store_n(&usable, state, __ATOMIC_RELAXED);
+    return state;
 }
 
 /* From how many rows the AMX-INT8 path is taken: `rows` > 0 sets it, 0 restores AMXI_ROWS,

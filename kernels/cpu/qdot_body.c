@@ -11,12 +11,28 @@ static inline float IF(hsum)(__m256 v) {
 }
 static inline float IF(h16)(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
 
-/* x (M rows) -> a: blocks of `block`; one allocation (a->q) holds all of it */
+/* bytes of IF(acts_into)'s buffer for M rows of K in blocks of `block` */
+static inline size_t IF(acts_bytes)(int64_t M, int64_t K, int block) {
+    const size_t bytes = (size_t)(M * K) + (size_t)(M * (K / block)) * 8 +
+                         (size_t)(M * (K / 16)) * 2 + 64;
+    return (bytes + 63) / 64 * 64;
+}
+
+static void IF(acts_into)(const float *x, int64_t M, int64_t ldx, int64_t K, int block,
+                          acts_t *a, uint8_t *mem);
+
+/* x (M rows) -> a: blocks of `block`; one allocation (a->q, freed by the caller) holds all */
 static int IF(acts)(const float *x, int64_t M, int64_t ldx, int64_t K, int block, acts_t *a) {
-    const int64_t nb = K / block, n32 = K / 32;
-    size_t bytes = (size_t)(M * K) + (size_t)(M * nb) * 8 + (size_t)(M * (K / 16)) * 2 + 64;
-    uint8_t *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    uint8_t *mem = aligned_alloc(64, IF(acts_bytes)(M, K, block));
     if (!mem) return -2;
+    IF(acts_into)(x, M, ldx, K, block, a, mem);
+    return 0;
+}
+
+/* x -> a in `mem` (IF(acts_bytes) of it, 64-byte aligned) */
+static void IF(acts_into)(const float *x, int64_t M, int64_t ldx, int64_t K, int block,
+                          acts_t *a, uint8_t *mem) {
+    const int64_t nb = K / block, n32 = K / 32;
     a->q = (int8_t *)mem, a->K = K, a->nb = nb;
     a->d = (float *)(mem + M * K);
     a->s = a->d + M * nb;
@@ -63,7 +79,6 @@ static int IF(acts)(const float *x, int64_t M, int64_t ldx, int64_t K, int block
             a->s[m * nb + b] = d * (float)total;
         }
     (void)n32;
-    return 0;
 }
 
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
@@ -363,73 +378,7 @@ static inline __attribute__((always_inline)) void IF(row)(
         IF(row32)(mr, p, row_bytes, qtype, a, s);
 }
 
-static int IF(qlinear_int)(const float *x, int64_t M, int64_t ldx, int64_t K,
-                           const uint8_t *w, int64_t N, int64_t row_bytes, int qtype,
-                           const float *bias, float *out, int64_t ldo, int threads) {
-    acts_t a;
-    if (IF(acts)(x, M, ldx, K, idot_block(qtype), &a)) return -2;
-#ifdef IDOT_ZMM
-    if (idot_type(qtype) && M >= rf_qset_int_gemm_rows(-1)) {
-        const int status =
-            idot_block(qtype) == 256
-                ? IF(qlinear_gemm)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads)
-                : IF(qlinear_gemm32)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
-        free(a.q);
-        return status;
-    }
-    if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(&a, M);
-#else
-    if ((idot_block(qtype) == 256 || g8b_type(qtype)) && M >= gemm8_rows(qtype)) {
-        const int status = IF(qlinear_gemm8)(&a, M, w, N, row_bytes, qtype, bias, out, ldo, threads);
-        free(a.q);
-        return status;
-    }
-    const int oct = M == 1 && IF(oct_type)(qtype, a.nb); /* x reordered for the row kernel */
-    if (oct) IF(oct_order)(&a);
-#endif
-    /* threads as the fused path splits them (quant.c: rf_qset_fused_split), on the same
-     * measure of work; dynamic chunks of rows, so a preempted thread's share goes elsewhere */
-    int64_t work = N * K * (M + 4) / 4 / (fused_split_set ? fused_split_set : FUSED_SPLIT) + 1;
-    int nt = threads < 1 ? 1 : work < threads ? (int)work : threads;
-    int64_t chunk = N / (8 * nt) > 4 ? N / (8 * nt) : 4;
-    int64_t chunks = (N + chunk - 1) / chunk;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-    const unsigned csr = denormals_off();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t ci = 0; ci < chunks; ci++) {
-        float s[IDOT_ROWS];
-        const int64_t end = (ci + 1) * chunk < N ? (ci + 1) * chunk : N;
-        for (int64_t r = ci * chunk; r < end; r++) {
-            const uint8_t *p = w + r * row_bytes;
-#ifndef IDOT_ZMM
-            if (oct) {
-                const float v = IF(row32_oct)(p, row_bytes, qtype, &a);
-                out[r] = bias ? v + bias[r] : v;
-                continue;
-            }
-#endif
-            for (int64_t m0 = 0; m0 < M; m0 += IDOT_ROWS) {
-                acts_t am = a; /* rows m0 .. of x */
-                am.q = a.q + m0 * K, am.d = a.d + m0 * a.nb, am.s = a.s + m0 * a.nb;
-                am.bs = a.bs + m0 * (K / 16);
-                const int64_t mr = M - m0 < IDOT_ROWS ? M - m0 : IDOT_ROWS;
-                switch (mr) {
-                case 4: IF(row)(4, p, row_bytes, qtype, &am, s); break;
-                case 3: IF(row)(3, p, row_bytes, qtype, &am, s); break;
-                case 2: IF(row)(2, p, row_bytes, qtype, &am, s); break;
-                default: IF(row)(1, p, row_bytes, qtype, &am, s); break;
-                }
-                for (int64_t m = 0; m < mr; m++)
-                    out[(m0 + m) * ldo + r] = bias ? s[m] + bias[r] : s[m];
-            }
-        }
-    }
-    _mm_setcsr(csr);
-    }
-    free(a.q);
-    return 0;
-}
+#include "qdot_calls.c" /* qlinear_int and its team form over the kernels above */
 
 #undef IF
 #undef IDOT_SUFFIX

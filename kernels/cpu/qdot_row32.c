@@ -14,14 +14,16 @@
  * swapped, so that the low nibbles' x of both blocks (elements 0-15 of each) is one load
  * and the high nibbles' another. */
 
-/* Q4_0 or Q4_1 with whole groups of eight blocks (K a multiple of 256) */
+/* Q4_0 or Q4_1 with a group of eight blocks at least (the blocks past the last whole group,
+ * as SmolLM2's K = 576 leaves two, go one at a time) */
 static inline int IF(oct_type)(int qtype, int64_t nb) {
-    return (qtype == Q4_0 || qtype == Q4_1) && nb % 8 == 0;
+    return (qtype == Q4_0 || qtype == Q4_1) && nb >= 8;
 }
 
-/* x's one quantized row into row32_oct's order (done once a call) */
+/* x's one quantized row into row32_oct's order (done once a call): its whole groups of
+ * eight blocks; the blocks after them stay in order */
 static void IF(oct_order)(acts_t *a) {
-    for (int64_t c = 0; c < a->K; c += 64) {
+    for (int64_t c = 0; c < a->nb / 8 * 256; c += 64) {
         int8_t *q = a->q + c;
         const __m128i one = _mm_loadu_si128((const __m128i *)(q + 16));
         _mm_storeu_si128((__m128i *)(q + 16), _mm_loadu_si128((const __m128i *)(q + 32)));
@@ -45,7 +47,8 @@ static inline float IF(row32_oct)(const uint8_t *p, int64_t row_bytes, int qtype
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 8) {
+    const int64_t whole = nb / 8 * 8;
+    for (int64_t b = 0; b < whole; b += 8) {
         const uint8_t *blk = p + b * bytes;
         __builtin_prefetch(blk + 1024), __builtin_prefetch(blk + 1088);
         __builtin_prefetch(blk + 1152);
@@ -72,5 +75,16 @@ static inline float IF(row32_oct)(const uint8_t *p, int64_t row_bytes, int qtype
         /* the offsets: Q4_1's m against s = dx sum(qx); Q4_0's -8 d, the -8 applied last */
         accm = _mm256_fmadd_ps(q4_1 ? IF(oct_halves)(blk + 2, bytes) : d, sx, accm);
     }
-    return IF(hsum)(acc) + (q4_1 ? 1.f : -8.f) * IF(hsum)(accm);
+    float offset = 0.f; /* the blocks after the whole groups, one at a time, x in order */
+    for (int64_t b = whole; b < nb; b++) {
+        const uint8_t *blk = p + b * bytes;
+        const float d = IF(h16)(blk);
+        const __m256i dot = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(IF(nibbles)(blk + nibbles),
+                                 _mm256_loadu_si256((const __m256i *)(a->q + 32 * b))),
+            ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a->d[b]), acc);
+        offset += (q4_1 ? IF(h16)(blk + 2) : d) * a->s[b];
+    }
+    return IF(hsum)(acc) + (q4_1 ? 1.f : -8.f) * (IF(hsum)(accm) + offset);
 }

@@ -305,6 +305,32 @@ static int x24_for(int acts, int qtype, int64_t M) {
 #endif
 }
 
+#ifdef QUANT_X86
+/* 1 where a call under the resolved activation flag `acts` (0: the process default) has int8
+ * activations: --quantized-activations int8, or auto's K types */
+static int int8_acts(int acts, int qtype) {
+    const int mode = rf_qset_activations(-1); /* 2 (auto): int8 for the K types only */
+    const int k_type = qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+    return acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type);
+}
+
+/* rf_qlinear's int8 path for M rows of qtype (flags removed): 1 bf16 tiles, 2 integer dot
+ * products, 3 int8 tiles, 0 an exact path (not int8, or no int8 path for it). Int8 mode (not
+ * exact): from rf_qset_amx_bf16_rows rows bf16 tile products alone; up to the integer dot
+ * products' row limit those; between, int8 tile products (AMX-INT8). */
+static int int8_path(int acts, int qtype, int64_t M, int64_t K) {
+    if (!int8_acts(acts, qtype)) return 0;
+    const int amx_int = isa() == ISA_AVX512 && amxi_type(qtype) && rf_qset_amx_int_rows(-1) > 0;
+    if (isa() == ISA_AVX512 && rf_qset_amx_rows(-1) > 0 && K % 32 == 0 &&
+        M >= rf_qset_amx_bf16_rows(-1))
+        return 1;
+    if (isa() >= ISA_AVX2 && idot_type(qtype) && M <= int_rows_for(qtype, amx_int) &&
+        rf_qset_int_isa(-1) >= 0)
+        return 2;
+    return amx_int && M >= rf_qset_amx_int_rows(-1) ? 3 : 0;
+}
+#endif
+
 int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w, int64_t N,
                int64_t row_bytes, int qtype, const float *scale, const float *bias, float *out,
                int64_t ldo, int threads) {
@@ -314,22 +340,7 @@ int rf_qlinear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t 
     if (M == 0 || N == 0) return 0;
     int rows = panel_rows_set ? panel_rows_set : PANEL_ROWS[isa()];
 #ifdef QUANT_X86
-    const int mode = rf_qset_activations(-1); /* 2 (auto): int8 for the K types only */
-    const int k_type = qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
-    const int int8 = acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type);
-    /* int8 mode (not exact): from rf_qset_amx_bf16_rows rows bf16 tile products alone; up to
-     * the integer dot products' row limit those; between, int8 tile products (AMX-INT8) */
-    const int amx_int = int8 && isa() == ISA_AVX512 && amxi_type(qtype) &&
-                        rf_qset_amx_int_rows(-1) > 0;
-    int path = 0; /* 1 bf16 tiles, 2 integer dot products, 3 int8 tiles, 0 an exact path */
-    if (int8 && isa() == ISA_AVX512 && rf_qset_amx_rows(-1) > 0 && K % 32 == 0 &&
-        M >= rf_qset_amx_bf16_rows(-1))
-        path = 1;
-    else if (int8 && isa() >= ISA_AVX2 && idot_type(qtype) &&
-             M <= int_rows_for(qtype, amx_int) && rf_qset_int_isa(-1) >= 0)
-        path = 2;
-    else if (amx_int && M >= rf_qset_amx_int_rows(-1))
-        path = 3;
+    const int path = int8_path(acts, qtype, M, K);
     if (path) {
         const unsigned csr = denormals_off(); /* this thread's; each path sets its workers' */
         const int status =
@@ -436,15 +447,14 @@ static int team_size(void) {
 
 /* 1 where rf_qteam_linear takes an rf_qlinear call of these arguments (qtype with its
  * activation flags): the exact fused path (fp32 activations, a type with a fused kernel for
- * M rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
+ * M rows) or the integer dot products' row kernels (int8 activations, below their panels'
+ * rows), whose per-row sums rf_qlinear computes alike; 0 for anything else */
 int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const float *scale) {
     const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, M);
     qtype &= ~RF_ACTS;
     if (!valid(qtype, K, row_bytes, scale) || scale || M < 1 || K > TEAM_MAX_K) return 0;
 #ifdef QUANT_X86
-    const int mode = rf_qset_activations(-1), k_type = qtype == Q4_K || qtype == Q5_K ||
-                                                       qtype == Q6_K;
-    if (acts ? acts == RF_INT8_ACTS : mode == 1 || (mode == 2 && k_type)) return 0;
+    if (int8_acts(acts, qtype)) return int8_path(acts, qtype, M, K) == 2 && !int_panels(qtype, M);
     if (x24_for(acts, qtype, M)) return 1; /* Q8_0R has no fused fp32 kernel: x24's only */
     switch (isa()) {
     case ISA_AVX512: return M <= fused_rows_avx512(qtype);
@@ -461,10 +471,16 @@ int rf_qteam_takes(int64_t M, int64_t K, int qtype, int64_t row_bytes, const flo
 void rf_qteam_linear(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *w,
                      int64_t N, int64_t row_bytes, int qtype, const float *bias, float *out,
                      int64_t ldo) {
-    const int flags = qtype & RF_ACTS;
+    const int acts = acts_for_rows(qtype & RF_ACTS, qtype & ~RF_ACTS, M);
     qtype &= ~RF_ACTS;
-    const int x24 = x24_for(acts_for_rows(flags, qtype, M), qtype, M);
+    const int x24 = x24_for(acts, qtype, M);
     const int nt = team_size();
+#ifdef QUANT_X86
+    if (int8_acts(acts, qtype)) { /* the integer row kernels (rf_qteam_takes took it so) */
+        qlinear_int_team(x, M, ldx, K, w, N, row_bytes, qtype, bias, out, ldo, nt);
+        return;
+    }
+#endif
     switch (isa()) {
 #ifdef QUANT_X86
     case ISA_AVX512:

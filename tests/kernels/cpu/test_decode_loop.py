@@ -127,12 +127,39 @@ def test_models_it_does_not_serve_get_none(model, monkeypatch) -> None:
         assert decode_loop.build(model) is None
 
 
-@pytest.mark.parametrize("streams", [1, 3])
-def test_team_steps_give_the_python_layers_logits_bit_for_bit(engine, model, monkeypatch, streams):
+@pytest.fixture
+def activations(engine, model, request):
+    """The model's projections under the --quantized-activations mode of the test's parameter
+    (its loop rebuilt for them), the engine's own mode and loop restored after."""
+    from radixflow.runtime.models import quantized
+
+    mode, before = request.param, engine.config.quantized_activations
+    loop = model.decode_loop
+    quantized.set_activations(model, mode)
+    model.decode_loop = decode_loop.build(model)
+    try:
+        yield mode
+    finally:
+        quantized.set_activations(model, before)
+        model.decode_loop = loop
+
+
+# int8 at one row only: from 2 rows AVX2's 4-bit types take the integer panels, which keep
+# their own threads (the team refuses such steps)
+@pytest.mark.parametrize(
+    ("streams", "activations"),
+    [(1, "fp32"), (3, "fp32"), (1, "auto"), (3, "auto"), (1, "int8")],
+    indirect=["activations"],
+)
+def test_team_steps_give_the_python_layers_logits_bit_for_bit(
+    engine, model, monkeypatch, streams, activations
+):
     """1-4 streams on two threads take the team path (a whole step in one parallel region,
     kernels/cpu/decode_team.h): every decode step, run first through the Python layers and then
     through the loop on the same inputs, gives the same logits bit for bit, and every one of
-    them went through the team."""
+    them went through the team. SmolLM2's projections take the exact fused kernels under fp32,
+    the fixed-point ones under `auto` (where the CPU has them), the integer dot products' row
+    kernels under int8 (qdot_body.c's qlinear_int_team: each thread quantizes x itself)."""
     loop = model.decode_loop
     teamed: list[bool] = []
     layers = loop.ext.decode_layers
