@@ -113,21 +113,27 @@ void team_layer_weights(TeamStep &s, const std::vector<at::Tensor> &input_norms,
 
 /* The step on the team path (decode_team.h) when it takes it: rows <= 4 on more than one
  * thread, every projection quantized ranges rf_qteam_linear takes, the layers' shapes alike,
- * the attention small enough to be one thread's; fns[4..8] quant.c's rf_team_run,
- * rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear. -> (mlp, residual,
- * status) as decode_layers; status -5, nothing touched, where it does not take the step. */
+ * an attention shape the native kernels take (head_dim a multiple of 16 up to 256, 1-8 query
+ * heads a KV head, rows x KV heads within kTeamTasks); fns[4..8] quant.c's rf_team_run,
+ * rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear, fns[9..10] native.c's
+ * rf_rope_store, rf_team_attention. -> (mlp, residual, status) as decode_layers; status -5,
+ * nothing touched, where it does not take the step. */
 std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
     TeamStep &s, const at::Tensor &hidden, const std::vector<std::vector<at::Tensor>> &projs,
     const std::vector<std::vector<int64_t>> &metas, const std::vector<int64_t> &fns, int n) {
     const std::tuple<at::Tensor, at::Tensor, int64_t> refused{hidden, at::Tensor(), -5};
-    if (fns.size() < 9 || n < 2 || s.rows > 4 || metas.empty() || metas[0].empty() ||
-        metas[2].empty() || attention_work(s) >= kAttentionSplit)
+    const int64_t G = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 0;
+    if (fns.size() < 11 || n < 2 || s.rows > 4 || metas.empty() || metas[0].empty() ||
+        metas[2].empty() || s.head_dim % 16 || s.head_dim > 256 || G < 1 || G > 8 ||
+        s.rows * s.num_kv_heads > kTeamTasks)
         return refused;
     s.run = reinterpret_cast<TeamRun>(fns[4]);
     s.barrier = reinterpret_cast<TeamBarrier>(fns[5]);
     s.thread = reinterpret_cast<TeamThread>(fns[6]);
     auto takes = reinterpret_cast<QTeamTakes>(fns[7]);
     s.linear = reinterpret_cast<QTeamLinear>(fns[8]);
+    s.rope_store = reinterpret_cast<RopeStore>(fns[9]);
+    s.attention = reinterpret_cast<TeamAttention>(fns[10]);
     s.qkv_n = out_features(metas[0]);
     s.inter = out_features(metas[2]) / 2;
     const int64_t ks[4] = {s.dim, s.q_size, s.dim, s.inter};
@@ -206,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     const auto options = hidden.options();
     const int n = static_cast<int>(threads);
     TeamStep team{};
-    team.rms_norm = rms_norm, team.silu_mul = silu_mul, team.attention = attention;
+    team.rms_norm = rms_norm, team.silu_mul = silu_mul;
     team.rows = rows, team.dim = dim, team.q_size = q_size, team.num_heads = num_heads;
     team.num_kv_heads = num_kv_heads, team.head_dim = head_dim, team.eps = (float)eps;
     team.scale = (float)scale, team.kv_kind = kv_kind;

@@ -51,6 +51,7 @@ _state: dict[str, Any] = {}
 TEAM_FUNCTIONS = (
     "rf_team_run", "rf_team_barrier", "rf_team_thread", "rf_qteam_takes", "rf_qteam_linear",
 )  # fmt: skip
+TEAM_ATTENTION = ("rf_rope_store", "rf_team_attention")  # native.c's, for the same path
 _lock = threading.Lock()
 
 
@@ -217,6 +218,7 @@ def build(model: Any) -> DecodeLoop | None:
         fns.append(qlinear)
         # the team path's (kernels/cpu/decode_team.h): a step of 1-4 rows in one parallel region
         team = [native_quant.address(name) for name in TEAM_FUNCTIONS]
+        team += [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in TEAM_ATTENTION]
         fns += team if all(team) else []
     layers = model.layers
     weights = (

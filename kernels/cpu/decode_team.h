@@ -4,10 +4,12 @@
  * Why: at one row a SmolLM2 layer is 8 calls of 1-20 us, and a parallel region per call pays
  * its fork and join each time, so the small projections (qkv, o) were left on one thread. In
  * the team every thread walks the same layers: the projections' output rows are shared out
- * (rf_qteam_linear), the attention runs on thread 0 (one thread is its own choice at these
- * sizes: `takes` checks), and the norms and SiLU, a few hundred floats, run on every thread
- * into its own buffers, so that no barrier is spent on them. Same kernels, same sums per
- * output: the same bits as the per-call path. */
+ * (rf_qteam_linear), thread 0 rotates q and k and stores the step's K/V (rf_rope_store), then
+ * the attention's tasks are shared out as rf_decode_attention plans them for the team's size
+ * (rf_team_attention: one thread's work for a short context, a KV head a task for a long
+ * one), and the norms and SiLU, a few hundred floats, run on every thread into its own
+ * buffers, so that no barrier is spent on them. Same kernels, same sums per output: the same
+ * bits as the per-call path. */
 
 typedef void (*TeamRun)(int, void (*)(void *), void *);
 typedef void (*TeamBarrier)();
@@ -15,10 +17,15 @@ typedef int (*TeamThread)();
 typedef int (*QTeamTakes)(int64_t, int64_t, int, int64_t, const float *);
 typedef void (*QTeamLinear)(const float *, int64_t, int64_t, int64_t, const uint8_t *, int64_t,
                             int64_t, int, const float *, float *, int64_t);
+typedef int64_t (*RopeStore)(float *, int64_t, const float *, const float *, int64_t, void *,
+                             void *, int64_t, const int64_t *, int, int, int, int, int, float *,
+                             float *);
+typedef int (*TeamAttention)(const float *, int64_t, const void *, const void *, const int64_t *,
+                             const int64_t *, const int64_t *, int, int, int, int, float, float,
+                             float *, float *, int, const float *, const float *);
 
-/* native.c's ATTENTION_SPLIT: keys x query heads x head_dim under which the attention runs on
- * one thread whatever it is given; the team takes only such steps, so none runs slower */
-constexpr int64_t kAttentionSplit = 1 << 19;
+/* native.c's TEAM_TASKS: requests x KV heads rf_team_attention plans (on its stack) */
+constexpr int64_t kTeamTasks = 256;
 
 struct Range {  /* one quantized row range of a projection: rf_qlinear's arguments */
     const uint8_t *w;
@@ -33,7 +40,8 @@ struct TeamStep {
     QTeamLinear linear;
     RmsNorm rms_norm;
     SiluMul silu_mul;
-    RopeDecodeAttention attention;
+    RopeStore rope_store;
+    TeamAttention attention;
     int64_t rows, dim, q_size, inter, qkv_n, num_heads, num_kv_heads, head_dim;
     float eps, scale;
     int kv_kind;
@@ -62,18 +70,26 @@ void team_project(const TeamStep &s, const std::vector<Range> &ranges, const flo
     s.barrier();
 }
 
-/* thread 0: layer i's rope, K/V store and attention; every thread: its status */
+/* layer i's attention: thread 0 its rope and K/V store, then every thread its share of the
+ * tasks; -> the store's status (nonzero: a slot out of range, no attention run), on every
+ * thread */
 int64_t team_attention(TeamStep &s, size_t i) {
-    if (s.thread() == 0) {
-        const bool scaled = s.kv_kind == 3;
-        s.status = s.attention(
-            s.qkv, s.qkv_n, s.cos, s.sin, s.rotary, s.k_pools[i], s.v_pools[i], s.num_slots,
-            s.slots, s.run_indptr, s.first, s.count, (int)s.rows, (int)s.num_kv_heads,
-            (int)(s.num_heads / s.num_kv_heads), (int)s.head_dim, s.scale, 0.f, s.attn, s.lse,
-            1, s.kv_kind, scaled ? s.k_scales[i] : nullptr, scaled ? s.v_scales[i] : nullptr);
-    }
+    const bool scaled = s.kv_kind == 3;
+    const int G = (int)(s.num_heads / s.num_kv_heads);
+    float *k_scale = scaled ? s.k_scales[i] : nullptr, *v_scale = scaled ? s.v_scales[i] : nullptr;
+    if (s.thread() == 0)
+        s.status = s.rope_store(s.qkv, s.qkv_n, s.cos, s.sin, s.rotary, s.k_pools[i],
+                                s.v_pools[i], s.num_slots, s.slots, (int)s.rows,
+                                (int)s.num_kv_heads, G, (int)s.head_dim, s.kv_kind, k_scale,
+                                v_scale);
     s.barrier();
-    return s.status;
+    const int64_t status = s.status;
+    if (status == 0)  /* the shapes were checked as the loop started: it takes these */
+        s.attention(s.qkv, s.qkv_n, s.k_pools[i], s.v_pools[i], s.run_indptr, s.first, s.count,
+                    (int)s.rows, (int)s.num_kv_heads, G, (int)s.head_dim, s.scale, 0.f, s.attn,
+                    s.lse, s.kv_kind, k_scale, v_scale);
+    s.barrier();
+    return status;
 }
 
 /* one thread of the team: every layer, as decode_layers' per-call loop does them */
@@ -116,9 +132,3 @@ std::vector<Range> team_ranges(const std::vector<at::Tensor> &parts,
     return ranges;
 }
 
-/* keys x query heads x head_dim of the step's attention (its runs' key counts) */
-int64_t attention_work(const TeamStep &s) {
-    int64_t keys = 0;
-    for (int64_t r = 0; r < s.run_indptr[s.rows]; r++) keys += s.count[r];
-    return keys * s.num_heads * s.head_dim;
-}

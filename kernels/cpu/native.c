@@ -23,6 +23,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -300,133 +305,7 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* attend() instantiated for a group size and head_dim (and, with SHAPE_HEADS, a task's head
- * count: its loops over heads unroll, and its accumulators and partial scores can live in
- * registers; for SmolLM2-135M's 3 heads a task, 0.85x the hot time). */
-#define SHAPE_HEADS(GG, CC, NHH, BF)                                                       \
-    if (G == GG && C == CC && (NHH == 0 || nh == NHH)) {                                   \
-        attend(qt, kt, vt, kst, vst, D, Hkv * D, first + runs, count + runs, num_runs,     \
-               NHH ? NHH : nh, GG, CC, BF, scale, cap, ot, lse + (b * Hkv + h0) * G,       \
-               next_slot, next_count);                                                     \
-        continue;                                                                          \
-    }
-#define SHAPE(GG, CC, BF) SHAPE_HEADS(GG, CC, 0, BF)
-#define SHAPES(BF)                                                                         \
-    SHAPE_HEADS(3, 4, 3, BF) SHAPE(1, 4, BF) SHAPE(2, 4, BF) SHAPE(3, 4, BF)               \
-    SHAPE(4, 4, BF) SHAPE(1, 8, BF) SHAPE(2, 8, BF) SHAPE(4, 8, BF) SHAPE(7, 4, BF)        \
-    SHAPE(7, 8, BF) SHAPE(8, 8, BF)                                                        \
-    attend(qt, kt, vt, kst, vst, D, Hkv * D, first + runs, count + runs, num_runs, nh, G,  \
-           C, BF, scale, cap, ot, lse + (b * Hkv + h0) * G, next_slot, next_count);
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define ATTEND8 /* AVX2's widest vectors: every task on 8-float vectors */
-#include "attend_avx2.h"
-#endif
-
-typedef struct { int64_t cost, b, h0, nh; } Task;
-#define ATTENTION_SPLIT (1 << 19) /* keys x query heads x head_dim: about 30 us of work */
-
-static int costlier_first(const void *x, const void *y) {
-    int64_t a = ((const Task *)x)->cost, b = ((const Task *)y)->cost;
-    return a < b ? 1 : a > b ? -1 : 0;
-}
-
-static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_type, const float *k_scale, const float *v_scale,
-                           const int64_t *run_indptr, const int64_t *first,
-                           const int64_t *count, int B, int Hkv, int G, int D, float scale,
-                           float cap, float *out, float *lse, int threads);
-
-/* Decode attention of B requests, one query token each, over keys read where they lie in
- * the pools k, v (num_slots, Hkv, D): request b's keys are the runs run_indptr[b] ..
- * run_indptr[b + 1] - 1 of (first slot, count) (none: zeros, lse -inf). q (B, Hkv, G, D)
- * with rows q_stride floats apart, heads and dims contiguous; out (B, Hkv, G, D) and lse
- * (B, Hkv, G) contiguous; scores scaled by `scale`, then soft-capped to cap * tanh(s / cap)
- * when cap > 0; `threads` OpenMP threads; pools fp32, bf16, fp16 or int8 by kv_type (0, 1,
- * 2, 3), an int8 pool's scales in k_scale, v_scale (num_slots, Hkv; NULL for the others).
- * Returns 0, or -1 for shapes it does not take (D not a multiple of 16 or over 256, G over 8),
- * -2 when out of memory. */
-int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v,
-                        const int64_t *run_indptr, const int64_t *first, const int64_t *count,
-                        int B, int Hkv, int G, int D, float scale, float cap, float *out,
-                        float *lse, int threads, int kv_type, const float *k_scale,
-                        const float *v_scale) {
-    if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
-    if (kv_type == 3 && !(k_scale && v_scale)) return -1;
-    return attention_tasks(q, q_stride, k, v, kv_type, k_scale, v_scale, run_indptr, first,
-                           count, B, Hkv, G, D, scale, cap, out, lse, threads);
-}
-
-static int attention_tasks(const float *q, int64_t q_stride, const void *k, const void *v,
-                           int kv_type, const float *k_scale, const float *v_scale,
-                           const int64_t *run_indptr, const int64_t *first,
-                           const int64_t *count, int B, int Hkv, int G, int D, float scale,
-                           float cap, float *out, float *lse, int threads) {
-    const int C = D / VW;
-    int64_t total = 0;
-    for (int64_t r = 0; r < run_indptr[B]; r++) total += count[r];
-    /* one thread for a small batch (a single stream's few hundred keys: some 20 us of work):
-     * a parallel region wakes a sleeping OpenMP worker, which costs about as much */
-    if (total * Hkv * G * D < ATTENTION_SPLIT) threads = 1;
-    /* A request is one task (its keys stream through once) unless its keys are more than a
-     * thread's even share of the batch's: then one task per KV head, so that one long
-     * request beside short ones does not leave the other threads idle. Costliest first,
-     * handed out one at a time. */
-    Task *tasks = malloc(sizeof(Task) * ((size_t)B * Hkv + 1));
-    if (!tasks) return -2;
-    int64_t num_tasks = 0, share = total / (threads > 0 ? threads : 1);
-    int heads_per_task = MAX_ROWS / G < Hkv ? MAX_ROWS / G : Hkv;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t keys = 0;
-        for (int64_t r = run_indptr[b]; r < run_indptr[b + 1]; r++) keys += count[r];
-        int per = keys > share || B < threads ? 1 : heads_per_task;
-        for (int64_t h0 = 0; h0 < Hkv; h0 += per)
-            tasks[num_tasks++] = (Task){keys * (Hkv - h0 < per ? Hkv - h0 : per), b, h0,
-                                        Hkv - h0 < per ? Hkv - h0 : per};
-    }
-    qsort(tasks, num_tasks, sizeof(Task), costlier_first);
-    /* Each thread claims its next task when it starts one (dynamic scheduling, one ahead), so
-     * the task whose first keys it prefetches is the one it runs next. With OpenMP's dynamic
-     * schedule the next task in the list was mostly the other thread's, already running:
-     * 64 requests of 89 keys, 2 threads, pools cold, took 0.9x the time. */
-    int64_t claimed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t i = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), after; i < num_tasks;
-         i = after) {
-        after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-        int64_t b = tasks[i].b, h0 = tasks[i].h0;
-        int nh = (int)tasks[i].nh;
-        int64_t runs = run_indptr[b], num_runs = run_indptr[b + 1] - runs;
-        int64_t next_slot = 0, next_count = 0; /* the next task's first keys, to prefetch */
-        if (after < num_tasks && tasks[after].b != b && tasks[after].h0 == h0) {
-            int64_t nb = tasks[after].b;
-            if (run_indptr[nb + 1] > run_indptr[nb])
-                next_slot = first[run_indptr[nb]], next_count = count[run_indptr[nb]];
-        }
-        const float *qt = q + b * q_stride + h0 * G * D;
-        const int64_t es = KV_BYTES(kv_type); /* the pools' element size */
-        const char *kt = (const char *)k + h0 * D * es, *vt = (const char *)v + h0 * D * es;
-        const float *kst = k_scale ? k_scale + h0 : NULL, *vst = v_scale ? v_scale + h0 : NULL;
-        float *ot = out + (b * Hkv + h0) * G * D;
-#ifdef ATTEND8
-        attend8(qt, kt, vt, kst, vst, D, Hkv * D, kv_type, first + runs, count + runs, num_runs,
-                nh, G, D, scale, cap, ot, lse + (b * Hkv + h0) * G);
-        (void)next_slot, (void)next_count;
-        continue;
-#endif
-        if (kv_type == 3) {
-            SHAPES(3)
-        } else if (kv_type == 2) {
-            SHAPES(2)
-        } else if (kv_type) {
-            SHAPES(1)
-        } else {
-            SHAPES(0)
-        }
-    }
-    free(tasks);
-    return 0;
-}
+#include "attend_tasks.h" /* decode attention: its tasks, their threads (and a team's) */
 
 /* hidden_out = x + residual (when residual is not NULL; else x is the input), then
  * out = weight * (h * 1 / sqrt(mean(h^2) + eps)), row by row, the mean taken in double (in
@@ -586,6 +465,34 @@ int64_t rf_rope(const float *x, int64_t x_stride, const float *cos, const float 
     return bad;
 }
 
+/* one row of a decode step's qkv (Hkv * G query heads, then Hkv key and Hkv value heads of
+ * D): q and k rotated in place, k and v stored at `slot` of the pools; -> 1 where the slot is
+ * out of range (nothing stored), else 0 */
+static inline int64_t rope_store_row(float *row, const float *cos, const float *sin,
+                                     int64_t rotary, void *k_pool, void *v_pool,
+                                     int64_t num_slots, int64_t slot, int Hkv, int G, int D,
+                                     int kv_type, float *k_scale, float *v_scale) {
+    const int64_t heads = (int64_t)Hkv * (G + 1);
+    rope_row(row, row, cos, sin, heads, D, rotary);
+    return store_row(k_pool, v_pool, k_scale, v_scale, num_slots, slot, row + (heads - Hkv) * D,
+                     row + heads * D, (int64_t)Hkv * D, D, kv_type);
+}
+
+/* rf_rope_decode_attention's first half on one thread: each of the B rows of qkv (rows
+ * qkv_stride floats apart) rotated and its K/V stored at slots[b]; -> the rows whose slot was
+ * out of range. The decode loop's team runs it on one thread, then rf_team_attention on all. */
+int64_t rf_rope_store(float *qkv, int64_t qkv_stride, const float *cos, const float *sin,
+                      int64_t rotary, void *k_pool, void *v_pool, int64_t num_slots,
+                      const int64_t *slots, int B, int Hkv, int G, int D, int kv_type,
+                      float *k_scale, float *v_scale) {
+    int64_t bad = 0;
+    for (int64_t b = 0; b < B; b++)
+        bad += rope_store_row(qkv + b * qkv_stride, cos + b * rotary, sin + b * rotary, rotary,
+                              k_pool, v_pool, num_slots, slots[b], Hkv, G, D, kv_type, k_scale,
+                              v_scale);
+    return bad;
+}
+
 /* One decode step's attention of a layer from its fused qkv projection, in one call: qkv
  * (B rows qkv_stride floats apart: Hkv * G query heads, Hkv key heads, Hkv value heads of D
  * floats) has its query and key heads rotated in place by cos/sin (B, rotary), as rf_rope
@@ -604,24 +511,22 @@ int64_t rf_rope_decode_attention(float *qkv, int64_t qkv_stride, const float *co
                                  float *k_scale, float *v_scale) {
     if (D % VW || D / VW > MAX_CHUNKS || G > MAX_GROUP || G < 1) return -1;
     if (kv_type == 3 && !(k_scale && v_scale)) return -1;
-    const int64_t heads = (int64_t)Hkv * (G + 1), width = (int64_t)Hkv * D;
+    const int64_t heads = (int64_t)Hkv * (G + 1);
     int64_t bad = 0;
-#define ROPE_STORE(b)                                                                       \
-    rope_row(qkv + (b) * qkv_stride, qkv + (b) * qkv_stride, cos + (b) * rotary,             \
-             sin + (b) * rotary, heads, D, rotary);                                          \
-    bad += store_row(k_pool, v_pool, k_scale, v_scale, num_slots, slots[b],                   \
-                     qkv + (b) * qkv_stride + (heads - Hkv) * D,                             \
-                     qkv + (b) * qkv_stride + heads * D, width, D, kv_type);
     if (threads > 1 && B * heads * D >= 32768) { /* a construct only where it splits */
 #pragma omp parallel for schedule(static) num_threads(threads) reduction(+ : bad)
-        for (int64_t b = 0; b < B; b++) { ROPE_STORE(b) }
+        for (int64_t b = 0; b < B; b++)
+            bad += rope_store_row(qkv + b * qkv_stride, cos + b * rotary, sin + b * rotary,
+                                  rotary, k_pool, v_pool, num_slots, slots[b], Hkv, G, D, kv_type,
+                                  k_scale, v_scale);
     } else {
-        for (int64_t b = 0; b < B; b++) { ROPE_STORE(b) }
+        bad = rf_rope_store(qkv, qkv_stride, cos, sin, rotary, k_pool, v_pool, num_slots, slots,
+                            B, Hkv, G, D, kv_type, k_scale, v_scale);
     }
-#undef ROPE_STORE
     if (bad) return bad;
-    return attention_tasks(qkv, qkv_stride, k_pool, v_pool, kv_type, k_scale, v_scale,
-                           run_indptr, first, count, B, Hkv, G, D, scale, cap, out, lse, threads);
+    const Attention a = {qkv,   qkv_stride, k_pool, v_pool, kv_type, k_scale, v_scale,
+                         run_indptr, first, count, B, Hkv, G, D, scale, cap, out, lse};
+    return attention_tasks(&a, threads);
 }
 
 /* pool[slots[i]] = rows[i] for n rows of `width` floats (rows row_stride floats apart), into

@@ -186,3 +186,36 @@ def test_team_steps_give_the_python_layers_logits_bit_for_bit(
     assert len(pairs) == 7 and teamed == [True] * 7
     for python, looped in pairs:
         assert torch.equal(python, looped)
+
+
+def test_long_contexts_stay_on_the_team(engine, model, monkeypatch) -> None:
+    """A stream past a thousand keys (enough attention work that it is shared out by KV head:
+    native.c's ATTENTION_SPLIT) still takes the team path, its attention's tasks shared by the
+    team's threads, with the Python layers' logits bit for bit."""
+    loop = model.decode_loop
+    teamed: list[bool] = []
+    layers = loop.ext.decode_layers
+
+    def recording(*args):
+        out = layers(*args)
+        teamed.append(out[3])
+        return out
+
+    monkeypatch.setattr(loop.ext, "decode_layers", recording)
+    pairs = both_paths(monkeypatch, model, loop)
+    monkeypatch.setattr(engine.scheduler.runner, "governor", None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompt = " ".join(f"Box {i} holds {i % 7} red balls." for i in range(120))
+        params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        engine.flush_cache()
+        (result,) = engine.generate([prompt + " How many boxes are there?"], params)
+    finally:
+        torch.set_num_threads(threads)
+    keys = result["meta_info"]["prompt_tokens"]
+    heads, dim = model.config.num_heads, model.config.head_dim
+    assert keys * heads * dim >= 1 << 19  # past the one-thread attention's limit
+    assert len(pairs) == 3 and teamed == [True] * 3
+    for python, looped in pairs:
+        assert torch.equal(python, looped)
