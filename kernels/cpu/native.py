@@ -24,6 +24,9 @@ ops each, 50-90 us a layer at 64 rows, where one loop takes a few.
 - A decode-only step's rope, KV store and attention are one call
   (`rope_decode_attention`, taken by the layer through `AttentionOps`): the per-call
   Python and ctypes work and the rotated copy of q and k are paid once a layer, not twice.
+  Its two halves, `rf_rope_store` and `rf_team_attention` (the tasks shared by an OpenMP team
+  that is already running), are called only by the compiled decode loop's team path
+  (kernels/cpu/decode_team.h), whose tests hold them to this call bit for bit.
 """
 
 from __future__ import annotations
