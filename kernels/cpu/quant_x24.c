@@ -345,9 +345,10 @@ static inline void x24_split_of(int qtype, const float *x, int64_t M, int64_t ld
 
 #pragma GCC pop_options
 
-/* a thread's buffer for the fixed-point kernels' parts of x (x24_split's, x24a_split's),
- * grown as needed and kept (the team's calls, one a projection, would otherwise allocate
- * every time); NULL if it cannot grow */
+/* a thread's buffer for x as a team call prepares it (the fixed-point kernels' parts:
+ * x24_split's, x24a_split's; the integer row kernels' 8-bit x: qdot_calls.c), grown as needed
+ * and kept (the team's calls, one a projection, would otherwise allocate every time); NULL if
+ * it cannot grow */
 static uint8_t *x24_scratch(size_t bytes) {
     static __thread uint8_t *buf;
     static __thread size_t size;

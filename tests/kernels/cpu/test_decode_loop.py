@@ -144,22 +144,10 @@ def activations(engine, model, request):
         model.decode_loop = loop
 
 
-# int8 at one row only: from 2 rows AVX2's 4-bit types take the integer panels, which keep
-# their own threads (the team refuses such steps)
-@pytest.mark.parametrize(
-    ("streams", "activations"),
-    [(1, "fp32"), (3, "fp32"), (1, "auto"), (3, "auto"), (1, "int8")],
-    indirect=["activations"],
-)
-def test_team_steps_give_the_python_layers_logits_bit_for_bit(
-    engine, model, monkeypatch, streams, activations
-):
-    """1-4 streams on two threads take the team path (a whole step in one parallel region,
-    kernels/cpu/decode_team.h): every decode step, run first through the Python layers and then
-    through the loop on the same inputs, gives the same logits bit for bit, and every one of
-    them went through the team. SmolLM2's projections take the exact fused kernels under fp32,
-    the fixed-point ones under `auto` (where the CPU has them), the integer dot products' row
-    kernels under int8 (qdot_body.c's qlinear_int_team: each thread quantizes x itself)."""
+def on_two_threads_both_paths(engine, model, monkeypatch, prompts, new_tokens):
+    """`prompts` generated greedily on two threads, every decode step through both paths
+    (`both_paths`); -> (the generated results, the (python, looped) logits, whether each
+    decode_layers call took the team path)."""
     loop = model.decode_loop
     teamed: list[bool] = []
     layers = loop.ext.decode_layers
@@ -177,12 +165,32 @@ def test_team_steps_give_the_python_layers_logits_bit_for_bit(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        prompts = [f"Count from {i} to {i + 5}:" for i in range(streams)]
-        params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         engine.flush_cache()
-        engine.generate(prompts, params)
+        results = engine.generate(prompts, params)
     finally:
         torch.set_num_threads(threads)
+    return results, pairs, teamed
+
+
+# int8 at one row only: from 2 rows AVX2's 4-bit types take the integer panels, which keep
+# their own threads (the team refuses such steps)
+@pytest.mark.parametrize(
+    ("streams", "activations"),
+    [(1, "fp32"), (3, "fp32"), (1, "auto"), (3, "auto"), (1, "int8")],
+    indirect=["activations"],
+)
+def test_team_steps_give_the_python_layers_logits_bit_for_bit(
+    engine, model, monkeypatch, streams, activations
+):
+    """1-4 streams on two threads take the team path (a whole step in one parallel region,
+    kernels/cpu/decode_team.h): every decode step, run first through the Python layers and then
+    through the loop on the same inputs, gives the same logits bit for bit, and every one of
+    them went through the team. SmolLM2's projections take the exact fused kernels under fp32,
+    the fixed-point ones under `auto` (where the CPU has them), the integer dot products' row
+    kernels under int8 (qdot_calls.c's qlinear_int_team: each thread quantizes x itself)."""
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(streams)]
+    _, pairs, teamed = on_two_threads_both_paths(engine, model, monkeypatch, prompts, 8)
     assert len(pairs) == 7 and teamed == [True] * 7
     for python, looped in pairs:
         assert torch.equal(python, looped)
@@ -192,27 +200,9 @@ def test_long_contexts_stay_on_the_team(engine, model, monkeypatch) -> None:
     """A stream past a thousand keys (enough attention work that it is shared out by KV head:
     native.c's ATTENTION_SPLIT) still takes the team path, its attention's tasks shared by the
     team's threads, with the Python layers' logits bit for bit."""
-    loop = model.decode_loop
-    teamed: list[bool] = []
-    layers = loop.ext.decode_layers
-
-    def recording(*args):
-        out = layers(*args)
-        teamed.append(out[3])
-        return out
-
-    monkeypatch.setattr(loop.ext, "decode_layers", recording)
-    pairs = both_paths(monkeypatch, model, loop)
-    monkeypatch.setattr(engine.scheduler.runner, "governor", None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        prompt = " ".join(f"Box {i} holds {i % 7} red balls." for i in range(120))
-        params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-        engine.flush_cache()
-        (result,) = engine.generate([prompt + " How many boxes are there?"], params)
-    finally:
-        torch.set_num_threads(threads)
+    prompt = " ".join(f"Box {i} holds {i % 7} red balls." for i in range(120))
+    prompts = [prompt + " How many boxes are there?"]
+    (result,), pairs, teamed = on_two_threads_both_paths(engine, model, monkeypatch, prompts, 4)
     keys = result["meta_info"]["prompt_tokens"]
     heads, dim = model.config.num_heads, model.config.head_dim
     assert keys * heads * dim >= 1 << 19  # past the one-thread attention's limit
