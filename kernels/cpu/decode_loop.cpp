@@ -162,9 +162,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
 
 }  // namespace
 
-/* The layers of a decode-only step. hidden (B, hidden) the embeddings; per layer (lists of
- * num_layers): the two norm weights, the four projections' oneDNN packs, the KV pools
- * (num_slots, Hkv, D); cos/sin (B, rotary) contiguous; slots (B,) this step's KV slots; runs
+/* A model's layer weights, converted from Python's lists once (DecodeLoop.prepared): per layer
+ * the two norm weights, and per projection (4 a layer) its oneDNN pack or quantized ranges'
+ * tensors with their metas. Converting the lists on every call took 75 us of a SmolLM2 step. */
+struct Weights {
+    std::vector<at::Tensor> input_norms, post_norms;
+    std::vector<std::vector<at::Tensor>> projs;
+    std::vector<std::vector<int64_t>> metas;
+};
+
+/* The runner's KV pools per layer, converted once per pool list (DecodeLoop.run): data
+ * (num_slots, Hkv, D), and an int8 pool's scales (empty lists for the other dtypes). */
+struct Pools {
+    std::vector<at::Tensor> k, v, k_scales, v_scales;
+};
+
+/* The layers of a decode-only step. hidden (B, hidden) the embeddings; the layers' Weights
+ * and Pools; cos/sin (B, rotary) contiguous; slots (B,) this step's KV slots; runs
  * the native kernel's (run_indptr, first, count); fns the addresses of rf_rms_norm,
  * rf_silu_mul, rf_rope_decode_attention (then rf_qlinear and decode_team's). -> (mlp,
  * residual, status, team): the last layer's output and residual (their sum is the final
@@ -174,15 +188,17 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
  * all bf16 or all fp16 or all int8 with k_scales, v_scales: --kv-cache-dtype's pools are
  * read and written by the native attention; the scale lists are empty for the others). */
 std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
-    at::Tensor hidden, const std::vector<at::Tensor> &input_norms,
-    const std::vector<at::Tensor> &post_norms, const std::vector<std::vector<at::Tensor>> &projs,
-    const std::vector<std::vector<int64_t>> &metas, const std::vector<at::Tensor> &k_pools,
-    const std::vector<at::Tensor> &v_pools, const at::Tensor &cos, const at::Tensor &sin,
-    const at::Tensor &slots, const at::Tensor &run_indptr, const at::Tensor &first,
-    const at::Tensor &count, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double scale, double eps, const std::vector<int64_t> &fns, int64_t threads,
-    const std::vector<at::Tensor> &k_scales, const std::vector<at::Tensor> &v_scales) {
+    at::Tensor hidden, const Weights &weights, const Pools &pools, const at::Tensor &cos,
+    const at::Tensor &sin, const at::Tensor &slots, const at::Tensor &run_indptr,
+    const at::Tensor &first, const at::Tensor &count, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, double scale, double eps, const std::vector<int64_t> &fns,
+    int64_t threads) {
     pybind11::gil_scoped_release no_gil;
+    const auto &input_norms = weights.input_norms, &post_norms = weights.post_norms;
+    const auto &projs = weights.projs;
+    const auto &metas = weights.metas;
+    const auto &k_pools = pools.k, &v_pools = pools.v, &k_scales = pools.k_scales;
+    const auto &v_scales = pools.v_scales;
     const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat;
     const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
     if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf &&
@@ -280,5 +296,12 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    pybind11::class_<Weights>(m, "Weights")
+        .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                            std::vector<std::vector<at::Tensor>>,
+                            std::vector<std::vector<int64_t>>>());
+    pybind11::class_<Pools>(m, "Pools")
+        .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                            std::vector<at::Tensor>, std::vector<at::Tensor>>());
     m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only step");
 }

@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,9 @@ class DecodeLoop:
     scale: float
     eps: float
     fns: list[int]  # rf_rms_norm, rf_silu_mul, rf_rope_decode_attention
+    prepared: Any = None  # `weights` as the extension's Weights: converted once, not per call
+    # the runner's pool lists as the extension's Pools, with the lists they were made from
+    pools: list[tuple[Any, Any, Any]] = field(default_factory=list)
 
     def run(
         self,
@@ -121,11 +124,10 @@ class DecodeLoop:
         slots = batch.out_slots
         if not (cos.is_contiguous() and sin.is_contiguous() and slots.dtype == torch.int64):
             return None
-        pools = _pool_lists(k_layers, v_layers)
         mlp, residual, status, _team = self.ext.decode_layers(
-            hidden, *self.weights, pools[0], pools[1], cos, sin, slots.contiguous(),
-            *layout.runs, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-            self.eps, self.fns, torch.get_num_threads(), pools[2], pools[3],
+            hidden, self.prepared, self._pools(k_layers, v_layers), cos, sin,
+            slots.contiguous(), *layout.runs, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.scale, self.eps, self.fns, torch.get_num_threads(),
         )  # fmt: skip
         if status in (-3, -4):  # refused (-4 after storing some layers' K/V, which the
             # Python layers store again, the same values): the Python layers take the step
@@ -137,6 +139,17 @@ class DecodeLoop:
         if status != 0:
             raise RuntimeError(f"native decode attention refused the step ({status})")
         return mlp, residual
+
+
+    def _pools(self, k_layers: Any, v_layers: Any) -> Any:
+        """The extension's Pools of these pool lists: made at their first step and kept
+        while the runner passes the same lists (it makes them once)."""
+        for k, v, pools in self.pools:
+            if k is k_layers and v is v_layers:
+                return pools
+        pools = self.ext.Pools(*_pool_lists(k_layers, v_layers))
+        self.pools[:] = [(k_layers, v_layers, pools)]  # the lists held: no id reused
+        return pools
 
 
 def _pool_lists(k_layers: Any, v_layers: Any) -> tuple[list[torch.Tensor], ...]:
@@ -230,5 +243,5 @@ def build(model: Any) -> DecodeLoop | None:
     return DecodeLoop(
         ext, weights, max(d[2] for d in described), min(d[3] for d in described),
         c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale or 1.0 / math.sqrt(c.head_dim),
-        c.rms_norm_eps, fns,
+        c.rms_norm_eps, fns, ext.Weights(*weights),
     )  # fmt: skip

@@ -68,6 +68,7 @@ SIGNATURES = {  # name: (restype, argtypes)
         + [_P, _P],
     ),
     "rf_argmax": (None, [_P, _I, _I, _I, _P, _P, _C]),
+    "rf_run_table": (_I, [_P, _I, _P, _C, _P, _P, _P]),
 }
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
@@ -450,3 +451,29 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         torch.get_num_threads(),
     )  # fmt: skip
     return top, index
+
+
+def run_table(
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """decode_layout.run_table of host tensors (int64 kv_indptr from 0, int32 or int64
+    kv_indices) in one pass: (run_indptr, first, count); None where not taken."""
+    lib = library()
+    if (
+        lib is None
+        or kv_indptr.dtype != torch.int64
+        or kv_indices.dtype not in (torch.int32, torch.int64)
+        or not (kv_indptr.is_contiguous() and kv_indices.is_contiguous())
+        or len(kv_indptr) < 1
+    ):
+        return None
+    num, total = len(kv_indptr) - 1, int(kv_indptr[-1])
+    if total > len(kv_indices) or int(kv_indptr[0]) != 0:
+        return None
+    run_indptr = torch.empty(num + 1, dtype=torch.int64)
+    first, count = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
+    runs = lib.rf_run_table(
+        kv_indptr.data_ptr(), num, kv_indices.data_ptr(), kv_indices.dtype == torch.int64,
+        run_indptr.data_ptr(), first.data_ptr(), count.data_ptr(),
+    )  # fmt: skip
+    return run_indptr, first[:runs], count[:runs]

@@ -12,6 +12,7 @@ from torch import nn
 from radixflow.kernels.cpu import native
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+TABLE_POSITIONS = 4096  # positions a host table covers when first built (Rope.forward)
 
 
 def rope_inv_freq(
@@ -72,12 +73,31 @@ class Rope(nn.Module):
         axes = [i % 3 for i, n in enumerate(section) for _ in range(n)]
         assert not section or len(axes) == len(inv_freq), f"{section=} {len(inv_freq)=}"
         self.mrope_axes = torch.tensor(axes, dtype=torch.int64) if section else None
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # host cos, sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions (T,), or (3, T) with mrope -> cos, sin (T, 1, rotary_dim) in the
-        rotate-half layout."""
+        rotate-half layout. Host positions read rows of a table of every position so far (the
+        same numbers, element by element: a decode step's eight ops took 90 us)."""
         if positions.dim() == 2:
             return self.mrope(positions, dtype)
+        if positions.device.type != "cpu" or not len(positions):
+            return self.compute(positions, dtype)
+        cos, sin = self._host_table(int(positions.max()) + 1, dtype)
+        return cos[positions], sin[positions]
+
+    def _host_table(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, 1, rotary_dim) of positions 0 .. N-1, N >= needed: built at first use
+        for TABLE_POSITIONS, doubled as later positions pass its end."""
+        table = self._tables.get(dtype)
+        if table is None or len(table[0]) < needed:
+            size = max(needed, TABLE_POSITIONS, 2 * len(table[0]) if table else 0)
+            positions = torch.arange(size, device=self.inv_freq.device)
+            table = self._tables[dtype] = self.compute(positions, dtype)
+        return table
+
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """forward's cos, sin for 1-D positions, computed for these positions alone."""
         inv_freq = self.inv_freq[None, :]  # (1, rotary_dim/2)
         if self.long_inv_freq is not None:
             is_long = (positions >= self.original_max_position)[:, None]

@@ -71,6 +71,20 @@ def test_smollm2_qualifies(model) -> None:
     assert all(meta for meta in loop.weights[3])
 
 
+def test_pool_lists_are_converted_once_and_followed(model) -> None:
+    """The loop converts the runner's pool lists for the extension once and reuses that while
+    it is handed the same lists; other lists (another pool) get their own conversion, and
+    the old one is let go."""
+    loop = model.decode_loop
+    k, v = (tuple(torch.zeros(8, 3, 64) for _ in range(2)) for _ in "kv")
+    first = loop._pools(k, v)
+    assert loop._pools(k, v) is first
+    other = tuple(t.clone() for t in k)
+    second = loop._pools(other, v)
+    assert second is not first and loop._pools(other, v) is second
+    assert len(loop.pools) == 1 and loop.pools[0][0] is other
+
+
 def test_decode_steps_give_the_python_layers_logits_bit_for_bit(engine, model, monkeypatch):
     """Five streams decoded: every decode step runs twice on the same inputs, first through
     the Python layers, then through the loop (each writes the step's K/V into the same slots

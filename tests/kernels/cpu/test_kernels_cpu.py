@@ -365,15 +365,26 @@ def test_slot_runs() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_host_run_table_is_the_torch_one(seed: int) -> None:
-    """The host's numpy run table (what a CPU step uses) gives the torch ops' integers, dtypes
-    and shapes: empty requests, runs across request borders, scattered and repeated slots."""
+@pytest.mark.parametrize("host", ["native", "numpy"])
+def test_host_run_table_is_the_torch_one(
+    seed: int, host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's run table (what a CPU step uses: the native pass, numpy without it) gives
+    the torch ops' integers, dtypes and shapes: empty requests, runs across request
+    borders, scattered and repeated slots, int32 and int64 slots."""
+    if host == "numpy":
+        monkeypatch.setattr(native, "run_table", lambda *a: None)
+    elif NATIVE is None:
+        pytest.skip("native kernels not built")
+    else:  # this module's tests run with the native kernels off (the fixture above)
+        monkeypatch.setitem(native._state, "lib", NATIVE)
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(0, 40, (7,), generator=gen)
     lens[seed % 7] = 0
     total = int(lens.sum())
-    slots = torch.randint(0, 50, (total,), generator=gen, dtype=torch.int32)
-    slots[: total // 2] = torch.arange(total // 2, dtype=torch.int32) + 100  # long runs
+    dtype = torch.int32 if seed % 2 else torch.int64
+    slots = torch.randint(0, 50, (total,), generator=gen, dtype=dtype)
+    slots[: total // 2] = torch.arange(total // 2, dtype=dtype) + 100  # long runs
     kv_indptr = indptr(lens.tolist())
     host = cpu_decode_layout.run_table(kv_indptr, slots)
     device = cpu_decode_layout._device_run_table(kv_indptr, slots)
