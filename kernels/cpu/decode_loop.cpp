@@ -95,20 +95,75 @@ void team_inputs(TeamStep &s, const at::Tensor &hidden, const at::Tensor &cos,
     s.count = i64(count);
 }
 
-/* every layer's norm weights and KV pools (and an int8 pool's scales) */
-void team_layer_weights(TeamStep &s, const std::vector<at::Tensor> &input_norms,
-                        const std::vector<at::Tensor> &post_norms,
-                        const std::vector<at::Tensor> &k_pools,
-                        const std::vector<at::Tensor> &v_pools,
-                        const std::vector<at::Tensor> &k_scales,
-                        const std::vector<at::Tensor> &v_scales) {
-    s.num_slots = k_pools.empty() ? 0 : k_pools[0].size(0);
-    for (size_t i = 0; i < k_pools.size(); i++) {
-        s.in_norms.push_back(f32(input_norms[i])), s.post_norms.push_back(f32(post_norms[i]));
-        s.k_pools.push_back(k_pools[i].data_ptr()), s.v_pools.push_back(v_pools[i].data_ptr());
-        if (s.kv_kind == 3) s.k_scales.push_back(f32(k_scales[i]));
-        if (s.kv_kind == 3) s.v_scales.push_back(f32(v_scales[i]));
+/* A model's layer weights, converted from Python's lists once (DecodeLoop.prepared), with the
+ * team path's raw pointers taken then: per layer the two norm weights, per projection (4 a
+ * layer) its oneDNN pack or quantized ranges' tensors with their metas. Converting the lists
+ * and reading each tensor's pointer on every call took 170 us of a SmolLM2 step. */
+struct Weights {
+    std::vector<at::Tensor> input_norms, post_norms;
+    std::vector<std::vector<at::Tensor>> projs;
+    std::vector<std::vector<int64_t>> metas;
+    std::vector<const float *> in_ptrs, post_ptrs;
+    std::vector<std::vector<Range>> ranges;  /* per projection; empty for a oneDNN pack */
+
+    Weights(std::vector<at::Tensor> in, std::vector<at::Tensor> post,
+            std::vector<std::vector<at::Tensor>> p, std::vector<std::vector<int64_t>> m)
+        : input_norms(std::move(in)), post_norms(std::move(post)), projs(std::move(p)),
+          metas(std::move(m)) {
+        TORCH_CHECK(input_norms.size() == post_norms.size() && projs.size() == metas.size(),
+                    "decode loop weights: mismatched lists");
+        for (size_t i = 0; i < input_norms.size(); i++)
+            in_ptrs.push_back(f32(input_norms[i])), post_ptrs.push_back(f32(post_norms[i]));
+        for (size_t j = 0; j < projs.size(); j++) ranges.push_back(ranges_of(projs[j], metas[j]));
     }
+};
+
+/* The runner's KV pools per layer, converted once per pool list (DecodeLoop._pools), checked
+ * then: data (num_slots, Hkv, D) contiguous, all fp32, bf16, fp16 or int8 (kind 0-3; -1
+ * where not taken), an int8 pool with its fp32 scales (num_slots, Hkv), empty scale lists
+ * for the other dtypes. */
+struct Pools {
+    std::vector<at::Tensor> k, v, k_scales, v_scales;
+    std::vector<void *> k_ptrs, v_ptrs;
+    std::vector<float *> ks_ptrs, vs_ptrs;
+    int kind = -1;
+    int64_t num_slots = 0;
+
+    Pools(std::vector<at::Tensor> k_, std::vector<at::Tensor> v_, std::vector<at::Tensor> ks,
+          std::vector<at::Tensor> vs)
+        : k(std::move(k_)), v(std::move(v_)), k_scales(std::move(ks)), v_scales(std::move(vs)) {
+        const auto type = k.empty() ? at::kFloat : k[0].scalar_type();
+        const int found = type == at::kFloat      ? 0
+                          : type == at::kBFloat16 ? 1
+                          : type == at::kHalf     ? 2
+                          : type == at::kChar     ? 3
+                                                  : -1;
+        const bool scaled = found == 3;
+        if (found < 0 || k.size() != v.size() ||
+            (scaled && (k_scales.size() != k.size() || v_scales.size() != v.size())))
+            return;
+        for (size_t i = 0; i < k.size(); i++)
+            if (!k[i].is_contiguous() || !v[i].is_contiguous() || k[i].scalar_type() != type ||
+                v[i].scalar_type() != type ||
+                (scaled && (!k_scales[i].is_contiguous() || !v_scales[i].is_contiguous() ||
+                            k_scales[i].scalar_type() != at::kFloat ||
+                            v_scales[i].scalar_type() != at::kFloat)))
+                return;
+        for (size_t i = 0; i < k.size(); i++) {
+            k_ptrs.push_back(k[i].data_ptr()), v_ptrs.push_back(v[i].data_ptr());
+            if (scaled) ks_ptrs.push_back(f32(k_scales[i])), vs_ptrs.push_back(f32(v_scales[i]));
+        }
+        num_slots = k.empty() ? 0 : k[0].size(0);
+        kind = found;
+    }
+};
+
+/* every layer's norm weights and KV pools (and an int8 pool's scales) */
+void team_layer_weights(TeamStep &s, const Weights &w, const Pools &pools) {
+    s.num_slots = pools.num_slots;
+    s.in_norms = w.in_ptrs, s.post_norms = w.post_ptrs;
+    s.k_pools = pools.k_ptrs, s.v_pools = pools.v_ptrs;
+    s.k_scales = pools.ks_ptrs, s.v_scales = pools.vs_ptrs;
 }
 
 /* The step on the team path (decode_team.h) when it takes it: rows <= 4 on more than one
@@ -118,13 +173,14 @@ void team_layer_weights(TeamStep &s, const std::vector<at::Tensor> &input_norms,
  * rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear, fns[9..10] native.c's
  * rf_rope_store, rf_team_attention. -> (mlp, residual, status) as decode_layers; status -5,
  * nothing touched, where it does not take the step. */
-std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
-    TeamStep &s, const at::Tensor &hidden, const std::vector<std::vector<at::Tensor>> &projs,
-    const std::vector<std::vector<int64_t>> &metas, const std::vector<int64_t> &fns, int n) {
+std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(TeamStep &s, const at::Tensor &hidden,
+                                                        const Weights &w,
+                                                        const std::vector<int64_t> &fns, int n) {
     const std::tuple<at::Tensor, at::Tensor, int64_t> refused{hidden, at::Tensor(), -5};
     const int64_t G = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 0;
-    if (fns.size() < 11 || n < 2 || s.rows > 4 || metas.empty() || metas[0].empty() ||
-        metas[2].empty() || s.head_dim % 16 || s.head_dim > 256 || G < 1 || G > 8 ||
+    const auto &ranges = w.ranges;
+    if (fns.size() < 11 || n < 2 || s.rows > 4 || ranges.size() < 4 || ranges[0].empty() ||
+        ranges[2].empty() || s.head_dim % 16 || s.head_dim > 256 || G < 1 || G > 8 ||
         s.rows * s.num_kv_heads > kTeamTasks)
         return refused;
     s.run = reinterpret_cast<TeamRun>(fns[4]);
@@ -134,15 +190,15 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
     s.linear = reinterpret_cast<QTeamLinear>(fns[8]);
     s.rope_store = reinterpret_cast<RopeStore>(fns[9]);
     s.attention = reinterpret_cast<TeamAttention>(fns[10]);
-    s.qkv_n = out_features(metas[0]);
-    s.inter = out_features(metas[2]) / 2;
+    s.qkv_n = out_rows(ranges[0]);
+    s.inter = out_rows(ranges[2]) / 2;
     const int64_t ks[4] = {s.dim, s.q_size, s.dim, s.inter};
     const int64_t ns[4] = {s.qkv_n, s.dim, 2 * s.inter, s.dim};
-    for (size_t j = 0; j < projs.size(); j++) {
+    for (size_t j = 0; j < ranges.size(); j++) {
         const int p = j % 4;
-        if (out_features(metas[j]) != ns[p]) return refused;
-        s.projs.push_back(team_ranges(projs[j], metas[j], s.rows, ks[p], takes));
-        if (s.projs.back().empty()) return refused;
+        if (out_rows(ranges[j]) != ns[p] || !team_takes(ranges[j], s.rows, ks[p], takes))
+            return refused;
+        s.projs.push_back(&ranges[j]);
     }
     const auto options = hidden.options();
     const int64_t rows = s.rows, dim = s.dim;
@@ -161,21 +217,6 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(
 }
 
 }  // namespace
-
-/* A model's layer weights, converted from Python's lists once (DecodeLoop.prepared): per layer
- * the two norm weights, and per projection (4 a layer) its oneDNN pack or quantized ranges'
- * tensors with their metas. Converting the lists on every call took 75 us of a SmolLM2 step. */
-struct Weights {
-    std::vector<at::Tensor> input_norms, post_norms;
-    std::vector<std::vector<at::Tensor>> projs;
-    std::vector<std::vector<int64_t>> metas;
-};
-
-/* The runner's KV pools per layer, converted once per pool list (DecodeLoop.run): data
- * (num_slots, Hkv, D), and an int8 pool's scales (empty lists for the other dtypes). */
-struct Pools {
-    std::vector<at::Tensor> k, v, k_scales, v_scales;
-};
 
 /* The layers of a decode-only step. hidden (B, hidden) the embeddings; the layers' Weights
  * and Pools; cos/sin (B, rotary) contiguous; slots (B,) this step's KV slots; runs
@@ -197,28 +238,12 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     const auto &input_norms = weights.input_norms, &post_norms = weights.post_norms;
     const auto &projs = weights.projs;
     const auto &metas = weights.metas;
-    const auto &k_pools = pools.k, &v_pools = pools.v, &k_scales = pools.k_scales;
-    const auto &v_scales = pools.v_scales;
+    const auto &k_pools = pools.k;
+    const int kv_kind = pools.kind;
+    const bool scaled = kv_kind == 3; /* int8: each layer's scales (num_slots, Hkv) fp32 */
     const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat;
-    const auto kv_type = k_pools.empty() ? at::kFloat : k_pools[0].scalar_type();
-    if (kv_type != at::kFloat && kv_type != at::kBFloat16 && kv_type != at::kHalf &&
-        kv_type != at::kChar)
-        return {hidden, at::Tensor(), -3, false};
-    const int kv_kind = kv_type == at::kChar       ? 3
-                        : kv_type == at::kBFloat16 ? 1
-                        : kv_type == at::kHalf     ? 2
-                                                   : 0;
-    const bool scaled = kv_kind == 3;  /* int8: each layer's scales (num_slots, Hkv) fp32 */
-    if (scaled && (k_scales.size() != k_pools.size() || v_scales.size() != v_pools.size()))
-        return {hidden, at::Tensor(), -3, false};
-    for (size_t i = 0; plain && i < k_pools.size(); i++)
-        if (!k_pools[i].is_contiguous() || !v_pools[i].is_contiguous() ||
-            k_pools[i].scalar_type() != kv_type || v_pools[i].scalar_type() != kv_type ||
-            (scaled && (!k_scales[i].is_contiguous() || !v_scales[i].is_contiguous() ||
-                        k_scales[i].scalar_type() != at::kFloat ||
-                        v_scales[i].scalar_type() != at::kFloat)))
-            return {hidden, at::Tensor(), -3, false};
-    if (!plain || 4 * k_pools.size() != projs.size() || projs.size() != metas.size())
+    if (!plain || kv_kind < 0 || 4 * k_pools.size() != projs.size() ||
+        input_norms.size() != k_pools.size())
         return {hidden, at::Tensor(), -3, false};
     auto rms_norm = reinterpret_cast<RmsNorm>(fns.at(0));
     auto silu_mul = reinterpret_cast<SiluMul>(fns.at(1));
@@ -233,8 +258,8 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     team.num_kv_heads = num_kv_heads, team.head_dim = head_dim, team.eps = (float)eps;
     team.scale = (float)scale, team.kv_kind = kv_kind;
     team_inputs(team, hidden, cos, sin, slots, run_indptr, first, count);
-    team_layer_weights(team, input_norms, post_norms, k_pools, v_pools, k_scales, v_scales);
-    auto teamed = decode_team(team, hidden, projs, metas, fns, n);
+    team_layer_weights(team, weights, pools);
+    auto teamed = decode_team(team, hidden, weights, fns, n);
     if (std::get<2>(teamed) != -5) return {std::get<0>(teamed), std::get<1>(teamed),
                                            std::get<2>(teamed), true};
     at::Tensor residual;
@@ -272,11 +297,11 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
         at::Tensor qkv = project(x, i, 0);
         if (!qkv.defined()) return {hidden, residual, -4, false};
         int64_t status = attention(
-            f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), k_pools[i].data_ptr(),
-            v_pools[i].data_ptr(), k_pools[i].size(0), i64(slots), i64(run_indptr), i64(first),
+            f32(qkv), qkv.stride(0), f32(cos), f32(sin), cos.size(-1), pools.k_ptrs[i],
+            pools.v_ptrs[i], pools.num_slots, i64(slots), i64(run_indptr), i64(first),
             i64(count), (int)rows, (int)num_kv_heads, (int)(num_heads / num_kv_heads),
             (int)head_dim, (float)scale, 0.f, f32(attn), f32(lse), n, kv_kind,
-            scaled ? f32(k_scales[i]) : nullptr, scaled ? f32(v_scales[i]) : nullptr);
+            scaled ? pools.ks_ptrs[i] : nullptr, scaled ? pools.vs_ptrs[i] : nullptr);
         if (status != 0) return {hidden, residual, status, false};
         at::Tensor projected = project(attn, i, 1);
         if (!projected.defined()) return {hidden, residual, -4, false};

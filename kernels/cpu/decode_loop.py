@@ -140,7 +140,6 @@ class DecodeLoop:
             raise RuntimeError(f"native decode attention refused the step ({status})")
         return mlp, residual
 
-
     def _pools(self, k_layers: Any, v_layers: Any) -> Any:
         """The extension's Pools of these pool lists: made at their first step and kept
         while the runner passes the same lists (it makes them once)."""

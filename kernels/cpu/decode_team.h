@@ -29,6 +29,7 @@ constexpr int64_t kTeamTasks = 256;
 
 struct Range {  /* one quantized row range of a projection: rf_qlinear's arguments */
     const uint8_t *w;
+    const float *scale;  /* per-row scales, or none (the team takes only ranges without) */
     int64_t rows, row_bytes;
     int qtype;
 };
@@ -49,7 +50,7 @@ struct TeamStep {
     int64_t rotary;
     const int64_t *slots, *run_indptr, *first, *count;
     std::vector<const float *> in_norms, post_norms;
-    std::vector<std::vector<Range>> projs;  /* 4 a layer: qkv, o, gate_up, down */
+    std::vector<const std::vector<Range> *> projs;  /* 4 a layer: qkv, o, gate_up, down */
     std::vector<void *> k_pools, v_pools;
     std::vector<float *> k_scales, v_scales;  /* empty but for int8 pools */
     int64_t num_slots;
@@ -106,29 +107,40 @@ void team_layers(void *ctx) {
         else  /* the previous layer's residual add, in the norm's pass */
             s.rms_norm(s.down, dim, sum1, dim, s.in_norms[i], s.eps, rows, dim, sum0, x, 1);
         if (i > 0) hidden = sum0;
-        team_project(s, s.projs[4 * i], x, dim, s.qkv, s.qkv_n);
+        team_project(s, *s.projs[4 * i], x, dim, s.qkv, s.qkv_n);
         if (team_attention(s, i) != 0) return;
-        team_project(s, s.projs[4 * i + 1], s.attn, s.q_size, s.o, dim);
+        team_project(s, *s.projs[4 * i + 1], s.attn, s.q_size, s.o, dim);
         s.rms_norm(s.o, dim, hidden, dim, s.post_norms[i], s.eps, rows, dim, sum1, x, 1);
-        team_project(s, s.projs[4 * i + 2], x, dim, s.gate_up, 2 * s.inter);
+        team_project(s, *s.projs[4 * i + 2], x, dim, s.gate_up, 2 * s.inter);
         s.silu_mul(s.gate_up, 2 * s.inter, rows, s.inter, act, 1);
-        team_project(s, s.projs[4 * i + 3], act, s.inter, s.down, dim);
+        team_project(s, *s.projs[4 * i + 3], act, s.inter, s.down, dim);
     }
 }
 
-/* the ranges of one projection from decode_layers' (parts, meta); empty where a range is
- * not one rf_qteam_linear takes at `rows` rows of `k` */
-std::vector<Range> team_ranges(const std::vector<at::Tensor> &parts,
-                               const std::vector<int64_t> &meta, int64_t rows, int64_t k,
-                               QTeamTakes takes) {
+/* the quantized ranges of one projection from its (parts, meta): each range's blocks and
+ * per-row scale (empty for none) in parts, its (qtype, rows, row_bytes) in meta; none for a
+ * oneDNN pack (meta empty) */
+std::vector<Range> ranges_of(const std::vector<at::Tensor> &parts,
+                             const std::vector<int64_t> &meta) {
     std::vector<Range> ranges;
     for (size_t j = 0; j + 2 < meta.size(); j += 3) {
         const at::Tensor &scale = parts[2 * (j / 3) + 1];
-        const float *s = scale.numel() ? scale.data_ptr<float>() : nullptr;
-        if (!takes(rows, k, (int)meta[j], meta[j + 2], s)) return {};
-        ranges.push_back({parts[2 * (j / 3)].data_ptr<uint8_t>(), meta[j + 1], meta[j + 2],
-                          (int)meta[j]});
+        ranges.push_back({parts[2 * (j / 3)].data_ptr<uint8_t>(),
+                          scale.numel() ? scale.data_ptr<float>() : nullptr, meta[j + 1],
+                          meta[j + 2], (int)meta[j]});
     }
     return ranges;
 }
 
+/* whether rf_qteam_linear takes every range of a projection at `rows` rows of `k` */
+bool team_takes(const std::vector<Range> &ranges, int64_t rows, int64_t k, QTeamTakes takes) {
+    for (const Range &r : ranges)
+        if (!takes(rows, k, r.qtype, r.row_bytes, r.scale)) return false;
+    return !ranges.empty();
+}
+
+int64_t out_rows(const std::vector<Range> &ranges) {
+    int64_t n = 0;
+    for (const Range &r : ranges) n += r.rows;
+    return n;
+}
