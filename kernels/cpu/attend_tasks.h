@@ -4,7 +4,8 @@
  * rf_team_attention, the same tasks shared out by a team that is already running (the decode
  * loop's team path: kernels/cpu/decode_team.h). A task's sums do not depend on the thread that
  * runs it, so both give the same bits for the same plan, and the plan depends only on the
- * shapes, the keys and the thread count. */
+ * shapes, the keys and the thread count (and on AVX2, whose kernel's sums for a head do not
+ * depend on the task's other heads, on whether the threads are already running). */
 
 /* attend() instantiated for a group size and head_dim (and, with SHAPE_HEADS, a task's head
  * count: its loops over heads unroll, and its accumulators and partial scores can live in
@@ -54,15 +55,16 @@ static int costlier_first(const void *x, const void *y) {
 
 /* The tasks for `threads` threads into `tasks` (room for B x Hkv), costliest first; -> their
  * number. One thread for a small batch (a single stream's few hundred keys: some 20 us of
- * work): a parallel region wakes a sleeping OpenMP worker, which costs about as much. A
+ * work) unless the threads are `awake` (a running team): a parallel region wakes a sleeping
+ * OpenMP worker, which costs about as much. A
  * request is one task (its keys stream through once) unless its keys are more than a
  * thread's even share of the batch's: then one task per KV head, so that one long request
  * beside short ones does not leave the other threads idle. */
-static int64_t attention_plan(const Attention *a, int threads, Task *tasks) {
+static int64_t attention_plan(const Attention *a, int threads, Task *tasks, int awake) {
     const int B = a->B, Hkv = a->Hkv, G = a->G;
     int64_t total = 0;
     for (int64_t r = 0; r < a->run_indptr[B]; r++) total += a->count[r];
-    if (total * Hkv * G * a->D < ATTENTION_SPLIT) threads = 1;
+    if (!awake && total * Hkv * G * a->D < ATTENTION_SPLIT) threads = 1;
     int64_t num_tasks = 0, share = total / (threads > 0 ? threads : 1);
     int heads_per_task = MAX_ROWS / G < Hkv ? MAX_ROWS / G : Hkv;
     for (int64_t b = 0; b < B; b++) {
@@ -111,7 +113,7 @@ static void attention_task(const Attention *a, const Task *task, int64_t next_sl
 static int attention_tasks(const Attention *a, int threads) {
     Task *tasks = malloc(sizeof(Task) * ((size_t)a->B * a->Hkv + 1));
     if (!tasks) return -2;
-    const int64_t num_tasks = attention_plan(a, threads, tasks);
+    const int64_t num_tasks = attention_plan(a, threads, tasks, 0);
     if (num_tasks < 2) threads = 1;
     /* Each thread claims its next task when it starts one (dynamic scheduling, one ahead), so
      * the task whose first keys it prefetches is the one it runs next. With OpenMP's dynamic
@@ -158,8 +160,8 @@ int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const v
 
 /* rf_decode_attention's work from inside a running parallel region, called by every thread
  * of the team (with the same arguments, after the K/V it reads are stored and a barrier):
- * the tasks rf_decode_attention plans for the team's size, shared out one at a time; no
- * barrier at the end. Returns 0, or as rf_decode_attention for what it does not take, and -2
+ * the tasks rf_decode_attention plans for the team's size (on AVX2 also for a short
+ * context, which it leaves to one thread), shared out one at a time; no barrier at the end. Returns 0, or as rf_decode_attention for what it does not take, and -2
  * where B x Hkv passes TEAM_TASKS (the caller checks that before it starts the team). */
 int rf_team_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                       const int64_t *run_indptr, const int64_t *first, const int64_t *count,
@@ -172,7 +174,14 @@ int rf_team_attention(const float *q, int64_t q_stride, const void *k, const voi
                          first, count,    B,     Hkv, G,       D,       scale,   cap,
                          out,   lse};
     Task tasks[TEAM_TASKS];
-    const int64_t num_tasks = attention_plan(&a, omp_get_num_threads(), tasks);
+#ifdef ATTEND8
+    /* the team's threads are running: a short context's KV heads go to both (attend8's sums
+     * for a head are the same whatever other heads its task holds: the same bits) */
+    const int awake = 1;
+#else
+    const int awake = 0; /* attend()'s shapes unroll by a task's head count: one plan */
+#endif
+    const int64_t num_tasks = attention_plan(&a, omp_get_num_threads(), tasks, awake);
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t i = 0; i < num_tasks; i++) attention_task(&a, &tasks[i], 0, 0);
     return 0;
