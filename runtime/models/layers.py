@@ -359,6 +359,7 @@ class CausalLM(nn.Module):
         # CPU: decode-only steps' layers in one compiled call (kernels/cpu/decode_loop.py), set at
         # load where the model qualifies; the layer loop below is its reference
         self.decode_loop: DecodeLoop | None = None
+        self._windows: list[int] | None = None  # _prepare_layouts'
 
     @torch.inference_mode()
     def forward(
@@ -398,8 +399,13 @@ class CausalLM(nn.Module):
         if batch.hidden_rows is not None and len(batch.hidden_rows):
             rows = torch.cat([rows, batch.hidden_rows])  # one norm for the head and the pooling
         c = self.config
+        # a decode-only step's logit rows increase (scheduler/batch.py): as many as its rows
+        # are every row in order, and the two gathers (some 50 us on a cold CPU step) can go
+        every_row = not batch.num_extend_tokens and len(rows) == len(hidden)
+        if not every_row:
+            hidden, residual = hidden[rows], residual[rows]
         _, hidden = add_rms_norm(
-            hidden[rows], self.norm, c.rms_norm_eps, c.norm_offset, residual=residual[rows]
+            hidden, self.norm, c.rms_norm_eps, c.norm_offset, residual=residual
         )
         if len(rows) > num_logit_rows:
             batch.hidden_states = hidden[num_logit_rows:].float()  # (H, hidden)
@@ -421,7 +427,9 @@ class CausalLM(nn.Module):
         A layout the caller put in `batch.layouts` already (the runner's, derived on the host;
         None for none) is kept."""
         ops = self.ops
-        for window in sorted({layer.window for layer in self.layers}):
+        if self._windows is None:  # the layers' windows, fixed once built
+            self._windows = sorted({layer.window for layer in self.layers})
+        for window in self._windows:
             extra = {"sliding_window": window} if window else {}
             if ops.prepare_extend is not None and batch.num_extend_tokens:
                 batch.layouts["extend", window] = ops.prepare_extend(
