@@ -74,6 +74,7 @@ class Rope(nn.Module):
         assert not section or len(axes) == len(inv_freq), f"{section=} {len(inv_freq)=}"
         self.mrope_axes = torch.tensor(axes, dtype=torch.int64) if section else None
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # host cos, sin
+        self.max_position = config.max_position
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions (T,), or (3, T) with mrope -> cos, sin (T, 1, rotary_dim) in the
@@ -81,17 +82,22 @@ class Rope(nn.Module):
         same numbers, element by element: a decode step's eight ops took 90 us)."""
         if positions.dim() == 2:
             return self.mrope(positions, dtype)
-        if positions.device.type != "cpu" or not len(positions):
+        if (
+            positions.device.type != "cpu"
+            or self.inv_freq.device.type != "cpu"
+            or not len(positions)
+        ):
             return self.compute(positions, dtype)
         cos, sin = self._host_table(int(positions.max()) + 1, dtype)
         return cos[positions], sin[positions]
 
     def _host_table(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (N, 1, rotary_dim) of positions 0 .. N-1, N >= needed: built at first use
-        for TABLE_POSITIONS, doubled as later positions pass its end."""
+        for TABLE_POSITIONS, doubled (up to the model's context) as positions pass its end."""
         table = self._tables.get(dtype)
         if table is None or len(table[0]) < needed:
-            size = max(needed, TABLE_POSITIONS, 2 * len(table[0]) if table else 0)
+            grown = max(TABLE_POSITIONS, 2 * len(table[0]) if table else 0)
+            size = max(needed, min(grown, self.max_position))
             positions = torch.arange(size, device=self.inv_freq.device)
             table = self._tables[dtype] = self.compute(positions, dtype)
         return table

@@ -53,16 +53,16 @@ def test_host_positions_read_the_same_numbers_from_the_table(scaling, dtype) -> 
     config = ModelConfig(
         vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling=scaling, max_position=8192, tie_word_embeddings=True,
+        rope_scaling=scaling, max_position=6000, tie_word_embeddings=True,
     )  # fmt: skip
     rope = Rope(config, config.rope_theta, scaling)
-    for positions in ([5], [0, 63, 64, 65, 4095], [4096], [7000, 3, 7001]):
+    for positions in ([5], [0, 63, 64, 65, 4095], [4096], [5000, 3, 5001]):
         at = torch.tensor(positions)
         cos, sin = rope(at, dtype)
         want_cos, want_sin = rope.compute(at, dtype)
         assert cos.shape == (len(positions), 1, 16) and cos.is_contiguous()
         assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
-    assert len(rope._tables[dtype][0]) >= 7002
+    assert 5002 <= len(rope._tables[dtype][0]) <= config.max_position  # grown, within the context
     if scaling:  # the long factors apply past the original window: the rows differ
         assert not torch.equal(rope(torch.tensor([70]), dtype)[0], rope_tables_default(70, dtype))
 
