@@ -56,10 +56,10 @@ static int costlier_first(const void *x, const void *y) {
 /* The tasks for `threads` threads into `tasks` (room for B x Hkv), costliest first; -> their
  * number. One thread for a small batch (a single stream's few hundred keys: some 20 us of
  * work) unless the threads are `awake` (a running team): a parallel region wakes a sleeping
- * OpenMP worker, which costs about as much. A
- * request is one task (its keys stream through once) unless its keys are more than a
- * thread's even share of the batch's: then one task per KV head, so that one long request
- * beside short ones does not leave the other threads idle. */
+ * OpenMP worker, which costs about as much. A request is one task (its keys stream through
+ * once) unless its keys are more than a thread's even share of the batch's: then one task
+ * per KV head, so that one long request beside short ones does not leave the other threads
+ * idle. */
 static int64_t attention_plan(const Attention *a, int threads, Task *tasks, int awake) {
     const int B = a->B, Hkv = a->Hkv, G = a->G;
     int64_t total = 0;
@@ -161,8 +161,9 @@ int rf_decode_attention(const float *q, int64_t q_stride, const void *k, const v
 /* rf_decode_attention's work from inside a running parallel region, called by every thread
  * of the team (with the same arguments, after the K/V it reads are stored and a barrier):
  * the tasks rf_decode_attention plans for the team's size (on AVX2 also for a short
- * context, which it leaves to one thread), shared out one at a time; no barrier at the end. Returns 0, or as rf_decode_attention for what it does not take, and -2
- * where B x Hkv passes TEAM_TASKS (the caller checks that before it starts the team). */
+ * context, which it leaves to one thread), shared out one at a time; no barrier at the end.
+ * Returns 0, or as rf_decode_attention for what it does not take, and -2 where B x Hkv
+ * passes TEAM_TASKS (the caller checks that before it starts the team). */
 int rf_team_attention(const float *q, int64_t q_stride, const void *k, const void *v,
                       const int64_t *run_indptr, const int64_t *first, const int64_t *count,
                       int B, int Hkv, int G, int D, float scale, float cap, float *out,

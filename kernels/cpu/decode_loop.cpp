@@ -56,29 +56,19 @@ at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed) {
 }
 
 /* x @ W^T from W's quantized row ranges (runtime/models/quantized.py's QuantLinear) into
- * `out` (rows, out_features(meta)), contiguous: `parts` holds each range's blocks and its
- * per-row scale (empty for none), `meta` each range's (qtype, rows, row_bytes). Each range
- * writes its own columns of the output, as the Python module does; -> `out`, or an undefined
- * tensor where the kernel refuses a range. */
-int64_t out_features(const std::vector<int64_t> &meta) {
-    int64_t n = 0;
-    for (size_t j = 0; j + 2 < meta.size(); j += 3) n += meta[j + 1];
-    return n;
-}
-
-at::Tensor quant_linear(const at::Tensor &x, const std::vector<at::Tensor> &parts,
-                        const std::vector<int64_t> &meta, QLinear qlinear, int threads,
-                        at::Tensor out) {
+ * `out` (rows, out_rows(ranges)), contiguous. Each range writes its own columns of the
+ * output, as the Python module does; -> `out`, or an undefined tensor where the kernel
+ * refuses a range. */
+at::Tensor quant_linear(const at::Tensor &x, const std::vector<Range> &ranges, QLinear qlinear,
+                        int threads, at::Tensor out) {
     const int64_t rows = x.size(0), k = x.size(1), out_features = out.size(1);
     int64_t offset = 0;
-    for (size_t j = 0; j + 2 < meta.size(); j += 3) {
-        const at::Tensor &data = parts[2 * (j / 3)], &scale = parts[2 * (j / 3) + 1];
-        const float *s = scale.numel() ? scale.data_ptr<float>() : nullptr;
-        if (qlinear(x.data_ptr<float>(), rows, x.stride(0), k, data.data_ptr<uint8_t>(),
-                    meta[j + 1], meta[j + 2], (int)meta[j], s, nullptr,
-                    out.data_ptr<float>() + offset, out_features, threads) != 0)
+    for (const Range &r : ranges) {
+        if (qlinear(x.data_ptr<float>(), rows, x.stride(0), k, r.w, r.rows, r.row_bytes,
+                    r.qtype, r.scale, nullptr, out.data_ptr<float>() + offset, out_features,
+                    threads) != 0)
             return at::Tensor();
-        offset += meta[j + 1];
+        offset += r.rows;
     }
     return out;
 }
@@ -102,14 +92,12 @@ void team_inputs(TeamStep &s, const at::Tensor &hidden, const at::Tensor &cos,
 struct Weights {
     std::vector<at::Tensor> input_norms, post_norms;
     std::vector<std::vector<at::Tensor>> projs;
-    std::vector<std::vector<int64_t>> metas;
     std::vector<const float *> in_ptrs, post_ptrs;
     std::vector<std::vector<Range>> ranges;  /* per projection; empty for a oneDNN pack */
 
     Weights(std::vector<at::Tensor> in, std::vector<at::Tensor> post,
-            std::vector<std::vector<at::Tensor>> p, std::vector<std::vector<int64_t>> m)
-        : input_norms(std::move(in)), post_norms(std::move(post)), projs(std::move(p)),
-          metas(std::move(m)) {
+            std::vector<std::vector<at::Tensor>> p, const std::vector<std::vector<int64_t>> &metas)
+        : input_norms(std::move(in)), post_norms(std::move(post)), projs(std::move(p)) {
         TORCH_CHECK(input_norms.size() == post_norms.size() && projs.size() == metas.size(),
                     "decode loop weights: mismatched lists");
         for (size_t i = 0; i < input_norms.size(); i++)
@@ -237,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     pybind11::gil_scoped_release no_gil;
     const auto &input_norms = weights.input_norms, &post_norms = weights.post_norms;
     const auto &projs = weights.projs;
-    const auto &metas = weights.metas;
+    const auto &ranges = weights.ranges;
     const auto &k_pools = pools.k;
     const int kv_kind = pools.kind;
     const bool scaled = kv_kind == 3; /* int8: each layer's scales (num_slots, Hkv) fp32 */
@@ -273,16 +261,16 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     const at::Tensor sums[2] = {at::empty({rows, dim}, options), at::empty({rows, dim}, options)};
     std::vector<at::Tensor> outs(4);
     at::Tensor act; /* SiLU's output, made at the first layer */
-    for (int p = 0; p < 4 && !metas.empty(); p++)
-        if (!metas[p].empty()) outs[p] = at::empty({rows, out_features(metas[p])}, options);
-    /* projection p of layer i: its oneDNN pack, or its quantized ranges (metas non-empty) */
+    for (int p = 0; p < 4 && !ranges.empty(); p++)
+        if (!ranges[p].empty()) outs[p] = at::empty({rows, out_rows(ranges[p])}, options);
+    /* projection p of layer i: its oneDNN pack, or its quantized ranges (non-empty) */
     auto project = [&](const at::Tensor &in, size_t i, int p) {
         const size_t j = 4 * i + p;
-        if (metas[j].empty()) return packed_linear(in, projs[j][0]);
+        if (ranges[j].empty()) return packed_linear(in, projs[j][0]);
         at::Tensor out = outs[p];
-        if (!out.defined() || out.size(1) != out_features(metas[j]))
-            out = at::empty({rows, out_features(metas[j])}, options);
-        return qlinear ? quant_linear(in, projs[j], metas[j], qlinear, n, out) : at::Tensor();
+        if (!out.defined() || out.size(1) != out_rows(ranges[j]))
+            out = at::empty({rows, out_rows(ranges[j])}, options);
+        return qlinear ? quant_linear(in, ranges[j], qlinear, n, out) : at::Tensor();
     };
     for (size_t i = 0; i < k_pools.size(); i++) {
         if (residual.defined()) {  /* the previous layer's residual add, in the norm's pass */

@@ -456,8 +456,8 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def run_table(
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """decode_layout.run_table of host tensors (int64 kv_indptr from 0, int32 or int64
-    kv_indices) in one pass: (run_indptr, first, count); None where not taken."""
+    """decode_layout.run_table of host tensors (int64 kv_indptr, int32 or int64 kv_indices)
+    in one pass: (run_indptr, first, count); None where not taken."""
     lib = library()
     if (
         lib is None
@@ -468,7 +468,7 @@ def run_table(
     ):
         return None
     num, total = len(kv_indptr) - 1, int(kv_indptr[-1])
-    if total > len(kv_indices) or int(kv_indptr[0]) != 0:
+    if total > len(kv_indices):
         return None
     run_indptr = torch.empty(num + 1, dtype=torch.int64)
     first, count = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
