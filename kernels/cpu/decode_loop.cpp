@@ -23,6 +23,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -154,27 +155,29 @@ void team_layer_weights(TeamStep &s, const Weights &w, const Pools &pools) {
     s.k_scales = pools.ks_ptrs, s.v_scales = pools.vs_ptrs;
 }
 
-/* The step on the team path (decode_team.h) when it takes it: rows <= 4 on more than one
- * thread, every projection quantized ranges rf_qteam_linear takes, the layers' shapes alike,
- * an attention shape the native kernels take (head_dim a multiple of 16 up to 256, 1-8 query
- * heads a KV head, rows x KV heads within kTeamTasks); fns[4..8] quant.c's rf_team_run,
- * rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear, fns[9..10] native.c's
- * rf_rope_store, rf_team_attention. -> (mlp, residual, status) as decode_layers; status -5,
- * nothing touched, where it does not take the step. */
-std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(TeamStep &s, const at::Tensor &hidden,
-                                                        const Weights &w,
-                                                        const std::vector<int64_t> &fns, int n) {
-    const std::tuple<at::Tensor, at::Tensor, int64_t> refused{hidden, at::Tensor(), -5};
+/* The team's buffers, alive while the returned tensors are */
+struct TeamBuffers {
+    at::Tensor qkv, attn, lse, o, gate_up, down, x, sums, act;
+};
+
+/* Whether the team path takes the step, its fields and buffers set where it does: rows <= 4
+ * on more than one thread, every projection quantized ranges rf_qteam_linear takes, the
+ * layers' shapes alike, an attention shape the native kernels take (head_dim a multiple of
+ * 16 up to 256, 1-8 query heads a KV head, rows x KV heads within kTeamTasks); fns[4..8]
+ * quant.c's rf_team_run, rf_team_barrier, rf_team_thread, rf_qteam_takes, rf_qteam_linear,
+ * fns[9..10] native.c's rf_rope_store, rf_team_attention. */
+bool team_prepare(TeamStep &s, const at::Tensor &hidden, const Weights &w,
+                  const std::vector<int64_t> &fns, int n, TeamBuffers &b) {
     const int64_t G = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 0;
     const auto &ranges = w.ranges;
     if (fns.size() < 11 || n < 2 || s.rows > 4 || ranges.size() < 4 || ranges[0].empty() ||
         ranges[2].empty() || s.head_dim % 16 || s.head_dim > 256 || G < 1 || G > 8 ||
         s.rows * s.num_kv_heads > kTeamTasks)
-        return refused;
+        return false;
     s.run = reinterpret_cast<TeamRun>(fns[4]);
     s.barrier = reinterpret_cast<TeamBarrier>(fns[5]);
     s.thread = reinterpret_cast<TeamThread>(fns[6]);
-    auto takes = reinterpret_cast<QTeamTakes>(fns[7]);
+    s.takes = reinterpret_cast<QTeamTakes>(fns[7]);
     s.linear = reinterpret_cast<QTeamLinear>(fns[8]);
     s.rope_store = reinterpret_cast<RopeStore>(fns[9]);
     s.attention = reinterpret_cast<TeamAttention>(fns[10]);
@@ -182,27 +185,40 @@ std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(TeamStep &s, const at::T
     s.inter = out_rows(ranges[2]) / 2;
     const int64_t ks[4] = {s.dim, s.q_size, s.dim, s.inter};
     const int64_t ns[4] = {s.qkv_n, s.dim, 2 * s.inter, s.dim};
+    s.projs.clear();
     for (size_t j = 0; j < ranges.size(); j++) {
         const int p = j % 4;
-        if (out_rows(ranges[j]) != ns[p] || !team_takes(ranges[j], s.rows, ks[p], takes))
-            return refused;
+        if (out_rows(ranges[j]) != ns[p] || !team_takes(ranges[j], s.rows, ks[p], s.takes))
+            return false;
         s.projs.push_back(&ranges[j]);
     }
     const auto options = hidden.options();
     const int64_t rows = s.rows, dim = s.dim;
-    at::Tensor qkv = at::empty({rows, s.qkv_n}, options), attn = at::empty({rows, s.q_size}, options);
-    at::Tensor lse = at::empty({rows, s.num_heads}, options), o = at::empty({rows, dim}, options);
-    at::Tensor gate_up = at::empty({rows, 2 * s.inter}, options);
-    at::Tensor down = at::empty({rows, dim}, options), x = at::empty({n, rows, dim}, options);
-    at::Tensor sums = at::empty({n, 2, rows, dim}, options);
-    at::Tensor act = at::empty({n, rows, s.inter}, options);
-    s.qkv = f32(qkv), s.attn = f32(attn), s.lse = f32(lse), s.o = f32(o);
-    s.gate_up = f32(gate_up), s.down = f32(down), s.x = f32(x), s.sums = f32(sums);
-    s.act = f32(act), s.status = 0;
+    b.qkv = at::empty({rows, s.qkv_n}, options), b.attn = at::empty({rows, s.q_size}, options);
+    b.lse = at::empty({rows, s.num_heads}, options), b.o = at::empty({rows, dim}, options);
+    b.gate_up = at::empty({rows, 2 * s.inter}, options);
+    b.down = at::empty({rows, dim}, options), b.x = at::empty({n, rows, dim}, options);
+    b.sums = at::empty({n, 2, rows, dim}, options);
+    b.act = at::empty({n, rows, s.inter}, options);
+    s.qkv = f32(b.qkv), s.attn = f32(b.attn), s.lse = f32(b.lse), s.o = f32(b.o);
+    s.gate_up = f32(b.gate_up), s.down = f32(b.down), s.x = f32(b.x), s.sums = f32(b.sums);
+    s.act = f32(b.act), s.status = 0;
+    return true;
+}
+
+/* The step on the team path (decode_team.h) when team_prepare takes it. -> (mlp, residual,
+ * status) as decode_layers; status -5, nothing touched, where it does not take the step. */
+std::tuple<at::Tensor, at::Tensor, int64_t> decode_team(TeamStep &s, const at::Tensor &hidden,
+                                                        const Weights &w,
+                                                        const std::vector<int64_t> &fns, int n) {
+    TeamBuffers b;
+    if (!team_prepare(s, hidden, w, fns, n, b)) return {hidden, at::Tensor(), -5};
     s.run(n, team_layers, &s);
     if (s.status != 0) return {hidden, at::Tensor(), s.status};
-    return {down, sums[0][1], 0};  /* thread 0's residual: every thread's is the same */
+    return {b.down, b.sums[0][1], 0};  /* thread 0's residual: every thread's is the same */
 }
+
+#include "decode_steps.h"
 
 }  // namespace
 
@@ -308,6 +324,58 @@ std::tuple<at::Tensor, at::Tensor, int64_t, bool> decode_layers(
     return {hidden, residual, 0, false};
 }
 
+/* Up to `steps` greedy decode steps of a decode-only batch on the team path, each step's
+ * tokens picked in the loop (decode_steps.h): as decode_layers for step 0's inputs (hidden,
+ * slots' first row, runs), with cos/sin (steps x B, rotary) and slots (steps x B) for every
+ * step, the Tail, and fns[11..12] quant.c's rf_qget_rows and native.c's rf_argmax. ->
+ * (tokens (steps, B) int64, steps done, status): 0; the attention's status of the step that
+ * stopped (nonzero: a slot out of range), -6 for a token outside the embedding; -5 with
+ * nothing touched where the team path or the tail does not take the batch, -3 for inputs
+ * decode_layers refuses. */
+std::tuple<at::Tensor, int64_t, int64_t> decode_steps(
+    const at::Tensor &hidden, const Weights &weights, const Pools &pools, const Tail &tail,
+    const at::Tensor &cos, const at::Tensor &sin, const at::Tensor &slots,
+    const at::Tensor &run_indptr, const at::Tensor &first, const at::Tensor &count,
+    int64_t steps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+    double eps, const std::vector<int64_t> &fns, int64_t threads) {
+    pybind11::gil_scoped_release no_gil;
+    const int64_t rows = hidden.size(0), dim = hidden.size(1);
+    at::Tensor tokens = at::empty({steps, rows}, hidden.options().dtype(at::kLong));
+    const bool plain = hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
+                       cos.is_contiguous() && sin.is_contiguous() && slots.is_contiguous() &&
+                       slots.scalar_type() == at::kLong && steps >= 1 &&
+                       cos.size(0) >= steps * rows && sin.size(0) >= steps * rows &&
+                       slots.numel() >= steps * rows && dim == tail.dim;
+    if (!plain || pools.kind < 0 || 4 * pools.k.size() != weights.projs.size() ||
+        weights.input_norms.size() != pools.k.size())
+        return {tokens, 0, -3};
+    const int n = static_cast<int>(threads);
+    TeamStep team{};
+    team.rms_norm = reinterpret_cast<RmsNorm>(fns.at(0));
+    team.silu_mul = reinterpret_cast<SiluMul>(fns.at(1));
+    team.rows = rows, team.dim = dim, team.q_size = num_heads * head_dim;
+    team.num_heads = num_heads, team.num_kv_heads = num_kv_heads, team.head_dim = head_dim;
+    team.eps = (float)eps, team.scale = (float)scale, team.kv_kind = pools.kind;
+    team_inputs(team, hidden, cos, sin, slots, run_indptr, first, count);
+    team_layer_weights(team, weights, pools);
+    TeamBuffers b;
+    if (fns.size() < 13 || !team_prepare(team, hidden, weights, fns, n, b) ||
+        !team_takes(tail.head, rows, dim, team.takes))
+        return {tokens, 0, -5};
+    at::Tensor next = at::empty({rows, dim}, hidden.options());
+    at::Tensor logits = at::empty({rows, tail.vocab}, hidden.options());
+    at::Tensor top = at::empty({rows}, hidden.options());
+    Steps st{};
+    st.s = &team, st.tail = &tail, st.n = (int)steps, st.cos = f32(cos), st.sin = f32(sin);
+    st.slots = i64(slots), st.embed0 = f32(hidden), st.hidden = f32(next);
+    st.logits = f32(logits), st.top = f32(top), st.tokens = tokens.data_ptr<int64_t>();
+    st.get_rows = reinterpret_cast<QGetRows>(fns[11]);
+    st.argmax = reinterpret_cast<Argmax>(fns[12]);
+    step_runs(st, i64(run_indptr), i64(first), i64(count), rows);
+    team.run(n, team_steps, &st);
+    return {tokens, st.done, st.status};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::class_<Weights>(m, "Weights")
         .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -316,5 +384,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::class_<Pools>(m, "Pools")
         .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
                             std::vector<at::Tensor>, std::vector<at::Tensor>>());
+    pybind11::class_<Tail>(m, "Tail")
+        .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>,
+                            at::Tensor, at::Tensor, int64_t, int64_t, int64_t>());
     m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only step");
+    m.def("decode_steps", &decode_steps, "greedy decode steps of a decode-only batch");
 }

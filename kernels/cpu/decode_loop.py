@@ -49,7 +49,9 @@ from radixflow.kernels.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_loop.cpp")
-HEADERS = [Path(__file__).with_name("decode_team.h")]  # included by SOURCE: in the build key
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("decode_team.h", "decode_steps.h")
+]  # in the key
 _state: dict[str, Any] = {}
 TEAM_FUNCTIONS = (
     "rf_team_run", "rf_team_barrier", "rf_team_thread", "rf_qteam_takes", "rf_qteam_linear",
@@ -102,6 +104,7 @@ class DecodeLoop:
     eps: float
     fns: list[int]  # rf_rms_norm, rf_silu_mul, rf_rope_decode_attention
     prepared: Any = None  # `weights` as the extension's Weights: converted once, not per call
+    tail: Any = None  # the final norm, LM head and embedding as its Tail (`run_steps`), or None
     # the runner's pool lists as the extension's Pools, with the lists they were made from
     pools: list[tuple[Any, Any, Any]] = field(default_factory=list)
 
@@ -142,6 +145,44 @@ class DecodeLoop:
         if status != 0:
             raise RuntimeError(f"native decode attention refused the step ({status})")
         return mlp, residual
+
+    def run_steps(
+        self,
+        batch: Any,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_layers: Any,
+        v_layers: Any,
+        slots: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Up to `len(slots)` greedy decode steps of a decode-only batch of 1-4 rows in one
+        call (decode_steps.h), from step 0's embeddings `hidden` (B, hidden): rope's cos/sin
+        hold every step's rows (steps x B, rotary), `slots` (steps, B) int64 each step's KV
+        slots. -> the tokens of the steps done (done, B) int64, fewer than asked where one
+        stopped; None where not taken (the caller runs the step as one). Raises as `run`."""
+        layout = batch.layouts.get(("decode", 0))
+        rows = hidden.shape[0]
+        if self.tail is None or layout is None or layout.runs is None or layout.shared:
+            return None
+        if not self.min_rows <= rows <= min(4, self.max_rows) or native.library() is None:
+            return None
+        cos, sin = rope
+        tokens, done, status = self.ext.decode_steps(
+            hidden, self.prepared, self._pools(k_layers, v_layers), self.tail, cos, sin,
+            slots.contiguous(), *layout.runs, len(slots), self.num_heads, self.num_kv_heads,
+            self.head_dim, self.scale, self.eps, self.fns, torch.get_num_threads(),
+        )  # fmt: skip
+        if status in (-3, -5):  # not taken, nothing touched
+            return None
+        if status > 0:
+            raise IndexError(f"{status} of {rows} slots outside the pool")
+        if status == -2:
+            raise MemoryError("native decode attention could not allocate its task list")
+        if status == -6:
+            raise RuntimeError("a decode step's greedy token fell outside the embedding")
+        if status != 0:
+            raise RuntimeError(f"native decode attention refused the step ({status})")
+        return tokens[:done]
 
     def _pools(self, k_layers: Any, v_layers: Any) -> Any:
         """The extension's Pools of these pool lists: made at their first step and kept
@@ -242,8 +283,37 @@ def build(model: Any) -> DecodeLoop | None:
         [d[0] for d in described],
         [d[1] for d in described],
     )
+    tail = _tail(model, ext, fns)
     return DecodeLoop(
         ext, weights, max(d[2] for d in described), min(d[3] for d in described),
         c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale or 1.0 / math.sqrt(c.head_dim),
-        c.rms_norm_eps, fns, ext.Weights(*weights),
+        c.rms_norm_eps, fns, ext.Weights(*weights), tail,
     )  # fmt: skip
+
+
+def _tail(model: Any, ext: Any, fns: list[int]) -> Any | None:
+    """The extension's Tail for `run_steps` (appending rf_qget_rows' and rf_argmax's
+    addresses to `fns`): a plain final norm, an LM head in quantized ranges the team takes,
+    and an embedding of quantized rows or an fp32 table, no scale on either end; else None."""
+    c = model.config
+    head = _projection(model.quant_head) if model.quant_head is not None else None
+    if len(fns) != 11 or head is None or not head[1] or c.embed_scale != 1.0:
+        return None
+    if c.final_logit_cap or c.norm_offset or model.gather_logits is not None:
+        return None
+    embed = model.embed_tokens
+    weight = getattr(embed, "weight_q", None)
+    if isinstance(weight, QuantWeight) and weight.data.is_contiguous():
+        scale = weight.scale if weight.scale is not None else torch.empty(0)
+        table = (weight.data, scale, weight.qtype, weight.shape[0], weight.row_bytes)
+    elif isinstance(embed, torch.nn.Embedding) and embed.weight.dtype == torch.float32:
+        rows = embed.weight.shape[0]
+        table = (embed.weight.detach().contiguous(), torch.empty(0), -1, rows, 0)
+    else:
+        return None
+    get_rows = native_quant.address("rf_qget_rows")
+    argmax = ctypes.cast(native.library().rf_argmax, ctypes.c_void_p).value
+    if get_rows is None or not argmax:
+        return None
+    fns += [get_rows, argmax]
+    return ext.Tail(model.norm.detach().contiguous(), head[0], head[1], *table)

@@ -38,6 +38,7 @@ struct TeamStep {
     TeamRun run;
     TeamBarrier barrier;
     TeamThread thread;
+    QTeamTakes takes;
     QTeamLinear linear;
     RmsNorm rms_norm;
     SiluMul silu_mul;

@@ -245,6 +245,12 @@ class ServerConfig:
         "CPU: run decode steps' layers in Python, not in the compiled loop "
         "(kernels/cpu/decode_loop.py; built at load, for plain pre-norm models)",
     )
+    num_continuous_decode_steps: int = _knob(
+        8,
+        "CPU decode loop: up to N greedy decode steps of 1-4 requests in one compiled call, "
+        "when no request waits and none wants logprobs, sampling, penalties or a grammar "
+        "(tokens stream N at a time); 1 = a scheduling step per token (SGLang's name)",
+    )
     disable_kv_prefault: bool = _knob(
         False,
         "CPU: leave the KV pool's pages unwritten until requests first use them (less memory "

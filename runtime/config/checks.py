@@ -73,6 +73,10 @@ def check(config: ServerConfig) -> None:
             "--speculative-algorithm draft and --speculative-draft-model-path go together",
         ),
         (
+            1 <= config.num_continuous_decode_steps <= 64,
+            "num_continuous_decode_steps must be in [1, 64]",
+        ),
+        (
             1 <= config.speculative_num_draft_tokens <= 31,
             "speculative_num_draft_tokens must be in [1, 31]",
         ),

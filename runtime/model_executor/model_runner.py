@@ -341,6 +341,27 @@ class ModelRunner:
             result.hidden = hidden
             return result
 
+    def forward_steps(self, plan: BatchPlan, slots: np.ndarray) -> np.ndarray | None:
+        """Greedy decode steps of a decode-only plan in one call (CausalLM.decode_steps):
+        `slots` (steps, B) each step's KV slots, row 0 the plan's own. -> the tokens (done, B)
+        of the steps done, or None where not taken (nothing ran: `forward` the plan). Not
+        while the split tuner still times single steps, nor under graphs, LoRA or images."""
+        if self.graphs is not None or len(plan.lora_ids) or plan.mrope_positions is not None:
+            return None
+        if len(plan.copy_src) or (self.split is not None and self.split.chosen is None):
+            return None
+        if self.governor is not None:
+            self.governor.tick()
+        wall, cpu = time.perf_counter(), time.process_time()
+        with torch.inference_mode():
+            batch = self.inputs.forward_batch(plan)
+            tokens = self.model.decode_steps(
+                batch, self.k_layers, self.v_layers, torch.from_numpy(slots)
+            )
+        if self.governor is not None and tokens is not None:
+            self.governor.stepped(time.perf_counter() - wall, time.process_time() - cpu)
+        return None if tokens is None else tokens.numpy()
+
     def load_lora(self, uid: int, name: str, path: str) -> None:
         """Load a PEFT adapter under `uid` (the scheduler's LoraTable's); raises LoraError."""
         if self.loras is None:

@@ -422,6 +422,30 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / c.final_logit_cap) * c.final_logit_cap
         return logits
 
+    @torch.inference_mode()
+    def decode_steps(
+        self,
+        batch: ForwardBatch,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Greedy decode steps of a decode-only batch in one compiled call: `slots`
+        (steps, B) int64 the KV slots of each step (row 0 the batch's own), each step taking
+        every row's argmax as its next input. -> the tokens (done, B) of the steps done
+        (fewer where one stopped), or None where the loop does not take the batch (run it as
+        one step of `forward`)."""
+        loop = self.decode_loop
+        if loop is None or loop.tail is None or batch.num_extend_tokens or batch.lora is not None:
+            return None
+        if batch.embeds is not None or batch.mrope_positions is not None:
+            return None
+        self._prepare_layouts(batch)
+        hidden = self.embed_tokens(batch.input_ids)
+        steps = torch.arange(len(slots), dtype=batch.positions.dtype)
+        rope = self.rope((batch.positions[None, :] + steps[:, None]).reshape(-1), hidden.dtype)
+        return loop.run_steps(batch, hidden, rope, k_caches, v_caches, slots)
+
     def _prepare_layouts(self, batch: ForwardBatch) -> None:
         """One backend layout per (mode, window) in use, shared by every layer of that window.
         A layout the caller put in `batch.layouts` already (the runner's, derived on the host;

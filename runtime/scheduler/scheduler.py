@@ -22,6 +22,7 @@ from radixflow.runtime.cache.tiered import DiskTier
 from radixflow.runtime.config import ServerConfig
 from radixflow.runtime.protocol.messages import EMBEDDING_ONLY
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
+from radixflow.runtime.scheduler import decode_runs
 from radixflow.runtime.scheduler.batch import as_decode_rows, build_plan
 from radixflow.runtime.scheduler.invariants import check_ownership
 from radixflow.runtime.scheduler.jump_forward import JumpForward
@@ -39,6 +40,10 @@ CLIP_MAX_NEW_TOKENS = 4096
 RETRACT_HEADROOM_STEPS = 20
 
 log = logging.getLogger(__name__)
+COUNTERS = (  # decode_runs: decode steps run as one call, and the tokens they kept
+    "prefill_tokens_computed", "prompt_tokens", "cached_tokens", "decode_tokens", "preemptions",
+    "finished_requests", "aborted_requests", "forward_steps", "decode_runs", "decode_run_tokens",
+)  # fmt: skip
 
 
 class Runner(Protocol):
@@ -87,19 +92,7 @@ class Scheduler:
         self.init_ratio = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
         self.min_ratio = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self.new_token_ratio = self.init_ratio
-        self.counters = dict.fromkeys(
-            (
-                "prefill_tokens_computed",
-                "prompt_tokens",
-                "cached_tokens",
-                "decode_tokens",
-                "preemptions",
-                "finished_requests",
-                "aborted_requests",
-                "forward_steps",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -163,8 +156,9 @@ class Scheduler:
         stepping = [r for r in self.running if r.seq_len - r.kv_len == 1]
         verifies = self.spec.propose(stepping, spare, self.pool.page_size, self.context_len)
         decodes = [r for r in stepping if not r.draft_ids]
-        for req in decodes:  # before admission, so prefills cannot take the decodes' pages
-            self.kv.alloc_decode_slot(req)
+        run = decode_runs.start(self, decodes, bool(verifies or jumps))  # None: one step
+        for req in decodes if run is None else ():  # before admission (prefills cannot
+            self.kv.alloc_decode_slot(req)  # take the decodes' pages); a run grew its own
         for req in jumps:  # the last token and the jumped ones (room made like the decodes')
             grown = self.kv.grow(req, req.seq_len - req.kv_len)
             assert grown, f"{req.rid}: no room for jumped tokens, free={self.pool.num_free_pages}"
@@ -180,9 +174,15 @@ class Scheduler:
                 extends + [r for r in jumps if not as_decode_rows(r)], decodes, self.vocab_size,
                 self.eos_token_ids, verifies, [r for r in jumps if as_decode_rows(r)],
             )  # fmt: skip
-            result = self.runner.forward(plan)
+            tokens = None if run is None else self.runner.forward_steps(plan, run.slots(decodes))
             self.counters["forward_steps"] += 1
-            updated += self._postprocess(plan, result, extends, jumps, decodes, sample_reqs)
+            if tokens is not None:  # a decode run (decode_runs.py): its tokens, in order
+                updated += run.keep(self, decodes, tokens)
+            else:
+                result = self.runner.forward(plan)
+                updated += self._postprocess(plan, result, extends, jumps, decodes, sample_reqs)
+                if run is not None:  # declined: a plain step; the run's pages go back
+                    run.give_back(self, decodes)
             self.metrics.stepped(self, plan, extends, start)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the process down
             log.exception("step %d failed; its requests get an error", self.step_count)
