@@ -31,15 +31,19 @@ from radixflow.runtime.scheduler import decode_runs
 
 class StepsRunner(FakeRunner):
     """FakeRunner with a steps path: each step of a decode-only plan as its decode rows would
-    run, the slots each step writes and reads checked against the store."""
+    run, the slots each step writes and reads checked against the store. Every third call
+    is declined (the real runner declines what its loop does not take), so the plain step
+    runs on pages grown for the run."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.runs = 0
+        self.calls = 0
 
     def forward_steps(self, plan, slots: np.ndarray) -> np.ndarray | None:
         assert plan.num_extend_tokens == 0 and slots.shape[1] == plan.num_tokens
-        self.runs += 1
+        self.calls += 1
+        if self.calls % 3 == 0:
+            return None
         dkv = plan.decode_kv_indptr
         tokens = np.zeros(slots.shape, dtype=np.int64)
         for r in range(plan.num_tokens):
