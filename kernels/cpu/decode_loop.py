@@ -19,6 +19,12 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
   OpenMP parallel region, each projection's output rows shared by the threads, a barrier
   where one call's output is the next one's input, instead of a parallel region (fork and
   join) per call; the same kernels on the same sums, so the same bits.
+- `DecodeLoop.run_steps` runs several greedy steps of 1-4 rows in one call on the team path
+  (`kernels/cpu/decode_steps.h`): after the layers, the final norm, the LM head's rows and
+  each row's argmax in the same region, then the next tokens' embeddings, so the host's
+  work between steps (about 0.8 ms of a 6 ms SmolLM2 step) is spent once a run; the
+  scheduler's decode runs (`runtime/scheduler/decode_runs.py`) call it. The final norm,
+  head and embedding reach it once, as its `Tail`.
 - The layers' weights reach the extension once, as its `Weights` (their pointers taken
   then), and the runner's pool lists once per list, as its `Pools`: converting some 400
   tensors and reading their pointers on every call cost about 170 us of a SmolLM2 step.

@@ -18,6 +18,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def step_by_step(engine, monkeypatch):
+    """A scheduling step per token: these tests hold each step's loop call to the Python
+    layers (decode runs, several steps a call: tests/runtime/scheduler/test_decode_runs.py)."""
+    config = engine.scheduler.config.replace(num_continuous_decode_steps=1)
+    monkeypatch.setattr(engine.scheduler, "config", config)
+
+
 def test_the_native_kernels_and_the_loop_build() -> None:
     assert native.library() is not None, "the native kernels did not build (see the log)"
     assert decode_loop.extension() is not None, "the decode loop did not build (see the log)"

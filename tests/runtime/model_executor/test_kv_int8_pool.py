@@ -25,7 +25,10 @@ MIN_TOP1 = 0.9
 
 
 def step_logits(engine, prompt: str, monkeypatch) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy output ids of `prompt` and the logits (V,) of every step that sampled them."""
+    """Greedy output ids of `prompt` and the logits (V,) of every step that sampled them (a
+    step per token: decode runs pick their tokens without handing logits back)."""
+    single = engine.scheduler.config.replace(num_continuous_decode_steps=1)
+    monkeypatch.setattr(engine.scheduler, "config", single)
     runner = engine.scheduler.runner
     seen: list[torch.Tensor] = []
     postprocess = runner._postprocess

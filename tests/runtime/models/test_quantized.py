@@ -149,9 +149,12 @@ def test_auto_takes_int8_batches_from_a_big_models_size(engine, monkeypatch):
         quantized.set_activations(model, mode)
 
 
-def test_single_streams_take_the_compiled_decode_loop(engine):
+def test_single_streams_take_the_compiled_decode_loop(engine, monkeypatch):
     """The compiled loop (kernels/cpu/decode_loop.cpp) calls the quantized kernel by its
-    address; its replies are held to the reference above. Here: it is built and taken."""
+    address; its replies are held to the reference above. Here: it is built and taken, a
+    step at a time (decode runs take several: tests/runtime/scheduler/test_decode_runs.py)."""
+    config = engine.scheduler.config.replace(num_continuous_decode_steps=1)
+    monkeypatch.setattr(engine.scheduler, "config", config)
     model = engine._loaded.model
     loop = model.decode_loop
     assert loop is not None, "the decode loop was not built for the quantized model"
