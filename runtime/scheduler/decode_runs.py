@@ -13,9 +13,11 @@ runner has the steps path, 1-4 requests decode and nothing else is in the step (
 waiting or mid-chunk, no verify or jumped rows), and each request picks greedily with
 nothing between its logits and its pick (no penalties, logit bias, banned tokens, grammar,
 logprobs, LoRA, thinking budget). Its length is the least of the knob, each request's
-remaining new tokens and context, and what the free pages hold (a run never evicts). Tokens
-are appended one by one as a step's would be, so EOS, stop strings and max_new_tokens end a
-request at the same token; its stream gets the run's tokens together.
+remaining new tokens and context, what the free pages hold (a run never evicts), and about
+RUN_BUDGET_S of steps at the last decode step's time a token (a long step gains nothing
+from a run, and its tokens would stream seconds apart). Tokens are appended one by one as
+a step's would be, so EOS, stop strings and max_new_tokens end a request at the same token;
+its stream gets the run's tokens together.
 
 KV: a request grows by the run's length at once (`RequestKV.grow`), so one that finishes
 inside the run has KV for positions past its end. As with rejected drafts (speculative.py),
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
     from radixflow.runtime.scheduler.scheduler import Scheduler
 
 MAX_ROWS = 4  # the decode loop's team path: 1-4 rows
+# A run lasts at most about this long: its tokens stream together and a request that
+# arrives waits for it (SmolLM2 on 2 cores: 8 steps of ~6 ms; a 7B's ~180 ms steps: none)
+RUN_BUDGET_S = 0.05
 
 
 def plain_greedy(req: Req) -> bool:
@@ -57,7 +62,7 @@ def plain_greedy(req: Req) -> bool:
 def run_length(sched: Scheduler, decodes: list[Req], others: bool) -> int:
     """The steps this step's decodes run at once (1: a plain decode step); `others`: the
     step has verify or jumped rows too."""
-    limit = sched.config.num_continuous_decode_steps
+    limit = min(sched.config.num_continuous_decode_steps, _budget_steps(sched))
     if limit <= 1 or others or not 1 <= len(decodes) <= MAX_ROWS:
         return 1
     if getattr(sched.runner, "forward_steps", None) is None:
@@ -80,6 +85,17 @@ def start(sched: Scheduler, decodes: list[Req], others: bool) -> Run | None:
     plain decode step."""
     steps = run_length(sched, decodes, others)
     return Run(sched, decodes, steps) if steps > 1 else None
+
+
+def _budget_steps(sched: Scheduler) -> int:
+    """Steps within RUN_BUDGET_S at the last step's time a token, where that step decoded
+    only (its run's tokens a row: `decode_run_steps`); no bound before one has."""
+    per_row, sched.decode_run_steps = getattr(sched, "decode_run_steps", 1), 1
+    steps = sched.metrics.steps
+    if not steps or steps[-1][2] or not steps[-1][1]:
+        return 1 << 30
+    per_token = steps[-1][0] / per_row
+    return int(RUN_BUDGET_S / per_token) if per_token > 0 else 1 << 30
 
 
 class Run:
@@ -109,6 +125,7 @@ class Run:
                 appended += 1
                 if req.finished:
                     break
+        sched.decode_run_steps = len(tokens)  # read by the next step's _budget_steps
         sched.counters["decode_tokens"] += appended
         sched.counters["decode_runs"] += 1
         sched.counters["decode_run_tokens"] += appended

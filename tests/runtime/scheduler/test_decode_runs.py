@@ -113,6 +113,16 @@ def test_run_length_follows_the_batch() -> None:
     sched.context_len = 33
     assert decode_runs.run_length(sched, [req()], False) == 3  # positions 30-32
     sched.context_len = 100_000
+    # about RUN_BUDGET_S (50 ms) of steps at the last decode step's time a token
+    sched.metrics.steps.append((0.03, 1, 0, "nothing_waiting"))  # a 30 ms token
+    assert decode_runs.run_length(sched, [req()], False) == 1
+    sched.metrics.steps.append((0.01, 1, 0, "nothing_waiting"))
+    assert decode_runs.run_length(sched, [req()], False) == 5
+    sched.metrics.steps.append((0.05, 1, 0, "nothing_waiting"))
+    sched.decode_run_steps = 8  # that step was a run of 8 tokens: 6 ms a token
+    assert decode_runs.run_length(sched, [req()], False) == 8
+    sched.metrics.steps.append((0.5, 0, 300, "nothing_waiting"))  # a prefill: no bound
+    assert decode_runs.run_length(sched, [req()], False) == 8
     sched.config = sched.config.replace(num_continuous_decode_steps=1)
     assert decode_runs.run_length(sched, [req()], False) == 1
 
