@@ -70,7 +70,8 @@ def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> di
     """name -> a System: radixflow (the GGUF's blocks, the defaults), radixflow-int8 and
     radixflow-exact (--quantized-activations int8 / fp32), radixflow-fp32
     (--dequantize-weights), radixflow-fixed (blocks, a fixed thread count: the behaviour
-    before --num-threads auto), llama.cpp (its worker, same thread count)."""
+    before --num-threads auto), radixflow-steps1 (a scheduling step per token: no decode
+    runs), llama.cpp (its worker, same thread count)."""
     from radixflow.bench import baselines  # noqa: PLC0415 (torch: only when the bench runs)
     from radixflow.bench.engine import RadixflowSystem  # noqa: PLC0415 (torch: only when the bench runs)
     from radixflow.runtime import Engine  # noqa: PLC0415 (torch: only when the bench runs)
@@ -84,6 +85,7 @@ def _systems(model: str, threads: int, names: list[str], pool_tokens: int) -> di
         "radixflow-exact": {"quantized_activations": "fp32"},
         "radixflow-fp32": {"dequantize_weights": True},
         "radixflow-fixed": {"num_threads": threads},
+        "radixflow-steps1": {"num_continuous_decode_steps": 1},
     }
     systems: dict[str, System] = {}
     for name in names:
