@@ -103,6 +103,9 @@ class Metrics:
             "recomputed_tokens_total": stats.get("recomputed_tokens", 0),
             "jump_forward_tokens_total": stats.get("jump_forward_tokens", 0),
             "jump_forward_steps_saved_total": stats.get("jump_forward_steps_saved", 0),
+            # decode runs: calls that ran several greedy decode steps, and their tokens
+            "decode_runs_total": stats.get("decode_runs", 0),
+            "decode_run_tokens_total": stats.get("decode_run_tokens", 0),
             # speculative decoding: verify steps, drafts proposed and drafts kept
             "spec_verify_steps_total": stats.get("spec_verify_steps", 0),
             "spec_proposed_tokens_total": stats.get("spec_proposed", 0),

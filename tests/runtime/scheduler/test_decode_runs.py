@@ -27,6 +27,7 @@ from test_scheduler import (
 from conftest import CHAT_PROMPTS, chat
 from radixflow.runtime.protocol.sampling import SamplingParams
 from radixflow.runtime.scheduler import decode_runs
+from radixflow.runtime.server.metrics import Metrics
 
 
 class StepsRunner(FakeRunner):
@@ -85,6 +86,9 @@ def test_runs_give_the_steps_tokens_under_every_config(config: dict) -> None:
     assert sched.counters["decode_runs"] > 0
     assert sched.counters["decode_run_tokens"] > sched.counters["decode_runs"]
     assert sched.counters["decode_tokens"] == sum(len(r.output_ids) - 1 for r in reqs)
+    lines = Metrics(sched.stats).render().decode().splitlines()
+    assert f"radixflow:decode_runs_total {sched.counters['decode_runs']}" in lines
+    assert f"radixflow:decode_run_tokens_total {sched.counters['decode_run_tokens']}" in lines
     sched.tree.flush()
     assert sched.pool.num_free_pages == sched.pool.capacity_pages  # nothing held past the end
 
