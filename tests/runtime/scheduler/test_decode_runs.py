@@ -139,9 +139,11 @@ def single_steps(make_engine):
     return make_engine(num_continuous_decode_steps=1)
 
 
-def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps) -> None:
-    """1-4 rows, lengths that end mid-run, EOS and a stop string: the same text and finish
-    as a step per token, the steps run as fewer calls, every page back at the end."""
+def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps, monkeypatch) -> None:
+    """1 and 4 rows, lengths that end mid-run, EOS and a stop string: the same text and finish
+    as a step per token, the steps run as fewer calls, every page back at the end. (The
+    50 ms bound is lifted: on a busy machine a step's time would turn the runs off.)"""
+    monkeypatch.setattr(decode_runs, "RUN_BUDGET_S", 1e9)
     prompts = [chat(p) for p in CHAT_PROMPTS[:4]]
     params = [
         {"max_new_tokens": 37, "temperature": 0, "ignore_eos": True},
@@ -149,7 +151,7 @@ def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps) -> None:
     ]
     before = engine.stats()
     for sampling in params:
-        for rows in (1, 3, 4):
+        for rows in (1, 4):
             got = engine.generate(prompts[:rows], sampling)
             want = single_steps.generate(prompts[:rows], sampling)
             assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
@@ -174,7 +176,8 @@ def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps) -> None:
     assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.capacity_pages
 
 
-def test_what_a_run_does_not_take_steps_one_by_one(engine) -> None:
+def test_what_a_run_does_not_take_steps_one_by_one(engine, monkeypatch) -> None:
+    monkeypatch.setattr(decode_runs, "RUN_BUDGET_S", 1e9)
     before = engine.stats()["decode_runs"]
     prompt = chat(CHAT_PROMPTS[0])
     engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0.8, "seed": 3})
