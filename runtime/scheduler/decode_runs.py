@@ -88,13 +88,17 @@ def start(sched: Scheduler, decodes: list[Req], others: bool) -> Run | None:
 
 
 def _budget_steps(sched: Scheduler) -> int:
-    """Steps within RUN_BUDGET_S at the last step's time a token, where that step decoded
-    only (its run's tokens a row: `decode_run_steps`); no bound before one has."""
-    per_row, sched.decode_run_steps = getattr(sched, "decode_run_steps", 1), 1
+    """Steps within RUN_BUDGET_S at the time a token of the last decode-only step (a run's
+    wall over its tokens a row, `decode_run_steps`), kept across prefill steps; no bound
+    before one has run. A step is read once: idle steps record nothing."""
     steps = sched.metrics.steps
-    if not steps or steps[-1][2] or not steps[-1][1]:
-        return 1 << 30
-    per_token = steps[-1][0] / per_row
+    last = steps[-1] if steps else None
+    if last is not None and last is not getattr(sched, "decode_timed_step", None):
+        sched.decode_timed_step = last
+        per_row, sched.decode_run_steps = getattr(sched, "decode_run_steps", 1), 1
+        if not last[2] and last[1]:  # no extend rows, some decode rows
+            sched.decode_token_s = last[0] / per_row
+    per_token = getattr(sched, "decode_token_s", 0.0)
     return int(RUN_BUDGET_S / per_token) if per_token > 0 else 1 << 30
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from test_scheduler import (
     CONFIGS,
     VOCAB,
@@ -125,8 +126,16 @@ def test_run_length_follows_the_batch() -> None:
     sched.metrics.steps.append((0.05, 1, 0, "nothing_waiting"))
     sched.decode_run_steps = 8  # that step was a run of 8 tokens: 6 ms a token
     assert decode_runs.run_length(sched, [req()], False) == 8
-    sched.metrics.steps.append((0.5, 0, 300, "nothing_waiting"))  # a prefill: no bound
+    sched.metrics.steps.append((0.5, 0, 300, "nothing_waiting"))  # a prefill: the last
+    assert decode_runs.run_length(sched, [req()], False) == 8  # decode step's time holds
+    sched.metrics.steps.append((0.2, 1, 0, "nothing_waiting"))  # a 7B's 200 ms token
+    assert decode_runs.run_length(sched, [req()], False) == 1
+    sched.metrics.steps.append((3.0, 0, 500, "nothing_waiting"))  # its next prompt
+    assert decode_runs.run_length(sched, [req()], False) == 1  # its first decode: no run
+    sched.metrics.steps.append((0.04, 1, 0, "nothing_waiting"))  # a run of 8, 5 ms a token
+    sched.decode_run_steps = 8
     assert decode_runs.run_length(sched, [req()], False) == 8
+    assert decode_runs.run_length(sched, [req()], False) == 8  # read once: idle steps between
     sched.config = sched.config.replace(num_continuous_decode_steps=1)
     assert decode_runs.run_length(sched, [req()], False) == 1
 
@@ -139,11 +148,24 @@ def single_steps(make_engine):
     return make_engine(num_continuous_decode_steps=1)
 
 
-def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps, monkeypatch) -> None:
+@pytest.fixture
+def two_threads(engine, single_steps, monkeypatch):
+    """Runs take the decode loop's team path: two threads, held while the test runs (the
+    `--num-threads auto` governor drops one on a busy machine), and no split tuner still
+    timing single steps (runs wait for it)."""
+    for eng in (engine, single_steps):
+        monkeypatch.setattr(eng.scheduler.runner, "governor", None)
+        monkeypatch.setattr(eng.scheduler.runner, "split", None)
+    monkeypatch.setattr(decode_runs, "RUN_BUDGET_S", 1e9)  # a busy machine's slow steps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps, two_threads) -> None:
     """1 and 4 rows, lengths that end mid-run, EOS and a stop string: the same text and finish
-    as a step per token, the steps run as fewer calls, every page back at the end. (The
-    50 ms bound is lifted: on a busy machine a step's time would turn the runs off.)"""
-    monkeypatch.setattr(decode_runs, "RUN_BUDGET_S", 1e9)
+    as a step per token, the steps run as fewer calls, every page back at the end."""
     prompts = [chat(p) for p in CHAT_PROMPTS[:4]]
     params = [
         {"max_new_tokens": 37, "temperature": 0, "ignore_eos": True},
@@ -176,8 +198,7 @@ def test_runs_keep_the_greedy_tokens_on_smollm2(engine, single_steps, monkeypatc
     assert engine.scheduler.pool.num_free_pages == engine.scheduler.pool.capacity_pages
 
 
-def test_what_a_run_does_not_take_steps_one_by_one(engine, monkeypatch) -> None:
-    monkeypatch.setattr(decode_runs, "RUN_BUDGET_S", 1e9)
+def test_what_a_run_does_not_take_steps_one_by_one(engine, two_threads) -> None:
     before = engine.stats()["decode_runs"]
     prompt = chat(CHAT_PROMPTS[0])
     engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0.8, "seed": 3})
