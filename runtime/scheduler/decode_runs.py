@@ -9,7 +9,8 @@ host's part (the plan, the step's tensors, the sampler, the request's bookkeepin
 steps also stay inside one compiled call, each picking its tokens there.
 
 A run takes a decode step's place when: `--num-continuous-decode-steps` is above 1, the
-runner has the steps path, 1-4 requests decode and nothing else is in the step (no request
+runner has the steps path (the decode loop's team: a model it serves, two threads or more,
+the split tuner done), 1-4 requests decode and nothing else is in the step (no request
 waiting or mid-chunk, no verify or jumped rows), and each request picks greedily with
 nothing between its logits and its pick (no penalties, logit bias, banned tokens, grammar,
 logprobs, LoRA, thinking budget). Its length is the least of the knob, each request's
