@@ -124,13 +124,8 @@ class DecodeLoop:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mlp, residual) of the last layer for a decode-only step from its embeddings
         `hidden`, as the Python layer loop returns them; None where not taken."""
-        layout = batch.layouts.get(("decode", 0))
-        rows = hidden.shape[0]
-        if layout is None or layout.runs is None or layout.shared or rows < self.min_rows:
-            return None
-        if rows > self.max_rows:
-            return None
-        if native.library() is None:  # switched off since the build (tests do): Python's
+        layout, rows = self._layout(batch, hidden.shape[0], self.max_rows)
+        if layout is None:
             return None
         cos, sin = rope
         slots = batch.out_slots
@@ -144,12 +139,7 @@ class DecodeLoop:
         if status in (-3, -4):  # refused (-4 after storing some layers' K/V, which the
             # Python layers store again, the same values): the Python layers take the step
             return None
-        if status > 0:
-            raise IndexError(f"{status} of {rows} slots outside the pool")
-        if status == -2:
-            raise MemoryError("native decode attention could not allocate its task list")
-        if status != 0:
-            raise RuntimeError(f"native decode attention refused the step ({status})")
+        _raise_for(status, rows)
         return mlp, residual
 
     def run_steps(
@@ -166,11 +156,8 @@ class DecodeLoop:
         hold every step's rows (steps x B, rotary), `slots` (steps, B) int64 each step's KV
         slots. -> the tokens of the steps done (done, B) int64, fewer than asked where one
         stopped; None where not taken (the caller runs the step as one). Raises as `run`."""
-        layout = batch.layouts.get(("decode", 0))
-        rows = hidden.shape[0]
-        if self.tail is None or layout is None or layout.runs is None or layout.shared:
-            return None
-        if not self.min_rows <= rows <= min(4, self.max_rows) or native.library() is None:
+        layout, rows = self._layout(batch, hidden.shape[0], min(4, self.max_rows))
+        if self.tail is None or layout is None:
             return None
         cos, sin = rope
         tokens, done, status = self.ext.decode_steps(
@@ -180,15 +167,20 @@ class DecodeLoop:
         )  # fmt: skip
         if status in (-3, -5):  # not taken, nothing touched
             return None
-        if status > 0:
-            raise IndexError(f"{status} of {rows} slots outside the pool")
-        if status == -2:
-            raise MemoryError("native decode attention could not allocate its task list")
-        if status == -6:
-            raise RuntimeError("a decode step's greedy token fell outside the embedding")
-        if status != 0:
-            raise RuntimeError(f"native decode attention refused the step ({status})")
+        _raise_for(status, rows)
         return tokens[:done]
+
+    def _layout(self, batch: Any, rows: int, max_rows: int) -> tuple[Any, int]:
+        """(the step's decode layout, rows) where the loop takes `rows` rows of it (its runs
+        known, no shared prefix to merge, the native kernels on), else (None, rows)."""
+        layout = batch.layouts.get(("decode", 0))
+        if layout is None or layout.runs is None or layout.shared:
+            return None, rows
+        if not self.min_rows <= rows <= max_rows:
+            return None, rows
+        if native.library() is None:  # switched off since the build (tests do): Python's
+            return None, rows
+        return layout, rows
 
     def _pools(self, k_layers: Any, v_layers: Any) -> Any:
         """The extension's Pools of these pool lists: made at their first step and kept
@@ -199,6 +191,19 @@ class DecodeLoop:
         pools = self.ext.Pools(*_pool_lists(k_layers, v_layers))
         self.pools[:] = [(k_layers, v_layers, pools)]  # the lists held: no id reused
         return pools
+
+
+def _raise_for(status: int, rows: int) -> None:
+    """Raise for a failed loop call's status (0: nothing): a slot outside the pool (> 0), the
+    attention's task list not allocated (-2), a greedy token outside the embedding (-6)."""
+    if status > 0:
+        raise IndexError(f"{status} of {rows} slots outside the pool")
+    if status == -2:
+        raise MemoryError("native decode attention could not allocate its task list")
+    if status == -6:
+        raise RuntimeError("a decode step's greedy token fell outside the embedding")
+    if status != 0:
+        raise RuntimeError(f"native decode attention refused the step ({status})")
 
 
 def _pool_lists(k_layers: Any, v_layers: Any) -> tuple[list[torch.Tensor], ...]:

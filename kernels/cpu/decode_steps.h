@@ -71,10 +71,9 @@ void step_runs(Steps &st, const int64_t *indptr0, const int64_t *first0, const i
             auto &fst = st.first[j], &cnt = st.count[j];
             for (int64_t k = indptr0[r]; k < indptr0[r + 1]; k++)
                 fst.push_back(first0[k]), cnt.push_back(count0[k]);
-            for (int i = 1; i <= j; i++) {
+            for (int i = 1; i <= j; i++) {  /* joins only this row's last run */
                 const int64_t slot = st.slots[i * rows + r];
-                if (!cnt.empty() && (int64_t)fst.size() > st.indptr[j].back() &&
-                    fst.back() + cnt.back() == slot)
+                if ((int64_t)fst.size() > st.indptr[j].back() && fst.back() + cnt.back() == slot)
                     cnt.back()++;
                 else
                     fst.push_back(slot), cnt.push_back(1);
