@@ -356,6 +356,7 @@ static inline __attribute__((always_inline)) void IF(row_qk_zmm)(
 #include "qdot_drive.c" /* the panels' driver: x's row blocks, the threads */
 #include "qdot_gemm.c" /* many rows: Q4_K, Q5_K, Q6_K panels unpacked once for vpdpbusd */
 #include "qdot_gemm32.c" /* and the 32-block types' */
+#include "qdot_row32_zmm.c" /* one row of x against Q4_0, Q4_1: eight blocks at a time */
 #else
 #include "qdot_drive.c"
 #include "qdot_gemm8.c" /* many rows: Q4_K, Q5_K, Q6_K panels of 8 features for maddubs */

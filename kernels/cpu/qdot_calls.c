@@ -11,15 +11,11 @@ static inline void IF(int_range)(const acts_t *a, int oct, int64_t M, const uint
     const int64_t K = a->K;
     for (int64_t r = r0; r < end; r++) {
         const uint8_t *p = w + r * row_bytes;
-#ifndef IDOT_ZMM
         if (oct) {
             const float v = IF(row32_oct)(p, row_bytes, qtype, a);
             out[r] = bias ? v + bias[r] : v;
             continue;
         }
-#else
-        (void)oct;
-#endif
         for (int64_t m0 = 0; m0 < M; m0 += IDOT_ROWS) {
             acts_t am = *a; /* rows m0 .. of x */
             am.q = a->q + m0 * K, am.d = a->d + m0 * a->nb, am.s = a->s + m0 * a->nb;
@@ -38,16 +34,14 @@ static inline void IF(int_range)(const acts_t *a, int oct, int64_t M, const uint
 }
 
 /* x's layout for the row kernels, once a call: the K types' on AVX512-VNNI, one row of
- * Q4_0/Q4_1 below it (-> 1 where row32_oct reads it) */
+ * Q4_0/Q4_1 (-> 1 where row32_oct reads it) */
 static inline int IF(row_order)(acts_t *a, int64_t M, int qtype) {
 #ifdef IDOT_ZMM
     if (qtype == Q4_K || qtype == Q5_K) IF(qk_zmm_order)(a, M);
-    return 0;
-#else
+#endif
     const int oct = M == 1 && IF(oct_type)(qtype, a->nb);
     if (oct) IF(oct_order)(a);
     return oct;
-#endif
 }
 
 /* 1 where qlinear_int takes its panels for M rows of qtype, not the row kernels */

@@ -249,9 +249,19 @@ def set_activations(model: nn.Module, mode: str) -> None:
     repacked = {quant.Q8_0: mode == "auto" and _x24_kernels()}
     if native.isa() == "avx2":
         repacked[quant.Q4_1] = mode == "auto" and native.set_x24(None)
+    # a part another module holds in the file's blocks too (a tied head's, the embedding's):
+    # kept beside its repacked copy, so that going back to the file's blocks shares it again
+    # instead of unpacking a second copy
+    embedded = {id(e.weight_q) for e in model.modules() if isinstance(e, QuantEmbedding)}
     for m in layers:
         m.activations = mode
-        m.parts = [_held(p, repacked) for p in m.parts]
+        kept = getattr(m, "file_parts", {})
+        held = [_held(p, repacked, kept.get(i)) for i, p in enumerate(m.parts)]
+        m.file_parts = {i: p for i, p in kept.items() if held[i] is not p}
+        m.file_parts.update(
+            {i: p for i, p in enumerate(m.parts) if id(p) in embedded and held[i] is not p}
+        )
+        m.parts = held
 
 
 def _x24_kernels() -> bool:
@@ -264,15 +274,18 @@ def _x24_kernels() -> bool:
     )
 
 
-def _held(part: Part, repacked: dict[int, bool]) -> Part:
+def _held(part: Part, repacked: dict[int, bool], original: Part | None = None) -> Part:
     """A part of a file type in `repacked` as its repacked layout (`quant.repack`) where the
-    flag says so, else in the file's blocks (`quant.unpack`); any other part as it is."""
+    flag says so, else in the file's blocks (`original` where given, else `quant.unpack`);
+    any other part as it is."""
     if not isinstance(part, quant.QuantWeight):
         return part
     file_type = quant.UNPACKED.get(part.qtype, part.qtype)
     if file_type not in repacked or repacked[file_type] == (part.qtype != file_type):
         return part
-    return quant.repack(part) if repacked[file_type] else quant.unpack(part)
+    if repacked[file_type]:
+        return quant.repack(part)
+    return original if original is not None else quant.unpack(part)
 
 
 def choose_dense_rows(model: nn.Module, rounds: int = 3) -> int:

@@ -18,7 +18,13 @@ from radixflow.kernels.quant import NAMES
 from radixflow.runtime.models import progress, quantized
 from radixflow.runtime.models.layers import ForwardBatch
 from radixflow.runtime.models.loader import builtin_gguf
-from radixflow.runtime.models.quantized import QuantEmbedding, QuantLinear, weight_bytes
+from radixflow.runtime.models.quantized import (
+    QuantEmbedding,
+    QuantLinear,
+    _x24_kernels,
+    set_activations,
+    weight_bytes,
+)
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0}
 
@@ -49,6 +55,23 @@ def test_weights_stay_in_their_blocks(engine):
     # the file's tensors, each once (the tied head shares the embedding's blocks); the fp32
     # form would be 540 MB
     assert 0.9 * file_size < held < 1.02 * file_size, (held, file_size)
+
+
+def test_a_mode_round_trip_keeps_the_tied_head_shared(engine):
+    """Switching a model's activations to `auto` and back (as `Engine.with_config` does on
+    shared weights) leaves the tied head on the embedding's own blocks: where `auto` holds
+    the head repacked (Q8_0R, AVX512-VNNI's fixed-point kernels), going back shares the
+    embedding's blocks again instead of unpacking a second copy of them."""
+    model = engine._loaded.model
+    try:
+        set_activations(model, "auto")
+        if _x24_kernels():
+            assert NAMES[model.quant_head.parts[0].qtype] == "Q8_0R"
+    finally:
+        set_activations(model, "fp32")
+    assert model.quant_head.parts[0] is model.embed_tokens.weight_q
+    held = weight_bytes(model)
+    assert held < 1.02 * builtin_gguf("smollm2").stat().st_size
 
 
 def _batch(token_lists: list[list[int]]) -> ForwardBatch:
