@@ -255,22 +255,23 @@ int64_t rf_qset_fused_split(int64_t work) {
 /* RF_BATCH_ACTS (`auto` for a big model's 32-block types): RF_TILES_ACTS up to the fused
  * kernels' rows (a decode of 2-4 streams: exact, and the integer path measured no faster
  * there), RF_INT8_ACTS above (batches and prefill: 7B Q4_0, 16 streams, 1.9x the exact).
- * One row of Q4_0 or Q4_1 takes the integer path on every instruction set that has one
- * (eight blocks a step: qdot_row32.c, qdot_row32_zmm.c; 4096 x 11008, 2 threads: an AMD
- * EPYC, AVX2, 0.90-0.99 ms against the exact kernel's 1.56-1.69; an Intel Xeon without AMX,
- * AVX512-VNNI, 1.32-1.45 ms against 1.76-1.88). Below AVX512-VNNI the integer path wins at
- * more rows too: one row of Q5_0 or Q5_1 (the row kernels: 1.7-1.8 ms against 4.0), and
- * from 2 rows the 4- and 5-bit types' panels (qdot_gemm8_32.c: Q4_0 at 2 rows 2.1 ms, the
- * exact 2.3-2.7). Q8_0 stays exact (its row kernel 1.65 ms, the exact 1.63). qtype without
- * its flags. */
+ * One row of Q4_0, Q4_1, Q5_0 or Q5_1 takes the integer path on every instruction set that
+ * has one (4096 x 11008, 2 threads: an AMD EPYC, AVX2, Q4_0 0.90-0.99 ms on qdot_row32.c
+ * against the exact kernel's 1.56-1.69, Q5_0 or Q5_1 on the row kernels 1.7-1.8 ms against
+ * 4.0; an Intel Xeon without AMX, AVX512-VNNI, Q4_0 1.32-1.45 ms on qdot_row32_zmm.c
+ * against 1.76-1.88, Q5_0 2.3 against 4.7, Q5_1 3.1 against 5.4). At 2-4 rows AVX512-VNNI
+ * takes it for Q5_0 and Q5_1 (the row kernels, 1.1-1.7x the exact at 2 and 4 rows; Q4_0
+ * level there), AVX2 from 2 rows for the 4- and 5-bit types' panels (qdot_gemm8_32.c: Q4_0
+ * at 2 rows 2.1 ms, the exact 2.3-2.7). Q8_0 stays exact (its row kernel 1.65 ms, the exact
+ * 1.63 on the EPYC; 3.15 against 2.75 on the Xeon). qtype without its flags. */
 static int acts_for_rows(int acts, int qtype, int64_t M) {
     if (acts != RF_BATCH_ACTS) return acts;
     if (M > FUSED_ROWS) return RF_INT8_ACTS;
 #ifdef QUANT_X86
-    const int int_isa = rf_qset_int_isa(-1);
-    if (int_isa >= 0 && M == 1 && (qtype == Q4_0 || qtype == Q4_1)) return RF_INT8_ACTS;
-    if (int_isa >= 0 && int_isa != IDOT_VNNI512 &&
-        (M == 1 ? qtype == Q5_0 || qtype == Q5_1 : g8b_type(qtype) && M >= gemm8_rows(qtype)))
+    const int int_isa = rf_qset_int_isa(-1), five = qtype == Q5_0 || qtype == Q5_1;
+    if (int_isa >= 0 && (M == 1 ? qtype == Q4_0 || qtype == Q4_1 || five
+                         : int_isa == IDOT_VNNI512 ? five
+                                                   : g8b_type(qtype) && M >= gemm8_rows(qtype)))
         return RF_INT8_ACTS;
 #else
     (void)qtype;

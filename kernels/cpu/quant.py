@@ -119,8 +119,8 @@ def activations_for(qtype: int, mode: str | None) -> str | None:
     replies: docs/models.md), there with the AMX bf16x3 tiles from 32 rows ("fp32-tiles",
     within a few 1e-6 a matmul); "auto-big" (`auto` for a model of BIG_MODEL_PARAMS or more)
     the same but int8 for the rest's calls of more than 4 rows ("int8-batch": batches and
-    prefill, where the integer products run ~2x the exact ones) and for one row of Q4_0 or
-    Q4_1 (eight blocks a step, 1.3x the exact kernel; the C library decides by rows and
+    prefill, where the integer products run ~2x the exact ones) and for one row of Q4_0,
+    Q4_1, Q5_0 or Q5_1 (1.3-2x the exact kernel; the C library decides by rows and
     instruction set: `acts_for_rows`); "fp32" is exact throughout
     (no tiles), "int8" as named; None the process default."""
     if mode in ("auto", "auto-big"):

@@ -121,20 +121,21 @@ def test_which_calls_take_it(no_amx: None) -> None:
 
 def test_a_big_models_auto_takes_int8_for_batches_only(int_isa: str) -> None:
     """`auto-big` (`auto` on a model of 1e9 weights or more) on a 32-block type: one row of
-    Q4_0 in int8 on every instruction set (eight blocks a step: qdot_row32.c,
-    qdot_row32_zmm.c); with AVX512-VNNI the exact fused kernels for 2-4 rows and one row of
-    the other types (`auto`'s own result, bit for bit), int8 activations from 5 (the int8
-    mode's result, bit for bit: the integer path, or where the CPU has AMX its int8 tiles);
-    below it, where the integer kernels win at fewer rows, int8 at every row count for the
-    4- and 5-bit types (one row of Q5_1 on the row kernels, 2-4 on the panels) and exact at
-    1-4 rows for Q8_0. A K type is int8 at every row count, as under `auto`."""
+    Q4_0 or Q5_1 in int8 on every instruction set (Q4_0 eight blocks a step: qdot_row32.c,
+    qdot_row32_zmm.c; Q5_1 on the row kernels); with AVX512-VNNI the exact fused kernels for
+    2-4 rows of Q4_0 (`auto`'s own result, bit for bit) and int8 for Q5_1's, int8
+    activations from 5 (the int8 mode's result, bit for bit: the integer path, or where the
+    CPU has AMX its int8 tiles); below it, where the integer kernels win at fewer rows, int8
+    at every row count for the 4- and 5-bit types (2-4 rows on the panels); exact at 1-4
+    rows for Q8_0. A K type is int8 at every row count, as under `auto`."""
     w = random_weight(quant.Q4_0, 48, 512)
     x = torch.randn((16, 512), generator=torch.Generator().manual_seed(8))
     exact = quant.linear(x, w)
     w5 = random_weight(quant.Q5_1, 16, 512)
-    got = native_quant.linear(x[:1], w5, activations="auto-big")
-    mode = "auto" if int_isa == "avx512-vnni" else "int8"
-    assert torch.equal(got, native_quant.linear(x[:1], w5, activations=mode))
+    for rows in (1, 3):
+        got = native_quant.linear(x[:rows], w5, activations="auto-big")
+        assert torch.equal(got, native_quant.linear(x[:rows], w5, activations="int8"))
+        assert not torch.equal(got, native_quant.linear(x[:rows], w5, activations="auto"))
     for rows in (1, 2, 4):
         got = native_quant.linear(x[:rows], w, activations="auto-big")
         if int_isa == "avx512-vnni" and rows > 1:
