@@ -267,6 +267,33 @@ static inline __attribute__((always_inline)) void IF(row_q6k)(
     for (int m = 0; m < mr; m++) s[m] = IF(hsum)(acc[m]);
 }
 
+/* row32_oct (qdot_row32.c below AVX512-VNNI, qdot_row32_zmm.c on it): one row of x against
+ * Q4_0 or Q4_1 eight blocks a step, for a row with a group of eight blocks at least (the
+ * blocks past the last whole group, as SmolLM2's K = 576 leaves two, go one at a time) */
+static inline int IF(oct_type)(int qtype, int64_t nb) {
+    return (qtype == Q4_0 || qtype == Q4_1) && nb >= 8;
+}
+
+/* row32_oct's end: the blocks from `whole` on one at a time (x in order), added to the
+ * groups' sums (acc) and offsets (accm: Q4_1's m, Q4_0's d against s = dx sum(qx)) */
+static inline float IF(oct_finish)(const uint8_t *p, int64_t bytes, int64_t whole, int qtype,
+                                   const acts_t *a, __m256 acc, __m256 accm) {
+    const int q4_1 = qtype == Q4_1, nibbles = q4_1 ? 4 : 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    float offset = 0.f;
+    for (int64_t b = whole; b < a->nb; b++) {
+        const uint8_t *blk = p + b * bytes;
+        const float d = IF(h16)(blk);
+        const __m256i dot = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(IF(nibbles)(blk + nibbles),
+                                 _mm256_loadu_si256((const __m256i *)(a->q + 32 * b))),
+            ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a->d[b]), acc);
+        offset += (q4_1 ? IF(h16)(blk + 2) : d) * a->s[b];
+    }
+    return IF(hsum)(acc) + (q4_1 ? 1.f : -8.f) * (IF(hsum)(accm) + offset);
+}
+
 #ifdef IDOT_ZMM
 /* Q4_K, Q5_K on 512-bit vectors: the sub-block pairs (0, 1) and (2, 3) of a block in one
  * vector (their 64 bytes of nibbles), low nibbles = sub-blocks 0 and 2, high = 1 and 3, x's

@@ -14,12 +14,6 @@
  * swapped, so that the low nibbles' x of both blocks (elements 0-15 of each) is one load
  * and the high nibbles' another. */
 
-/* Q4_0 or Q4_1 with a group of eight blocks at least (the blocks past the last whole group,
- * as SmolLM2's K = 576 leaves two, go one at a time) */
-static inline int IF(oct_type)(int qtype, int64_t nb) {
-    return (qtype == Q4_0 || qtype == Q4_1) && nb >= 8;
-}
-
 /* x's one quantized row into row32_oct's order (done once a call): its whole groups of
  * eight blocks; the blocks after them stay in order */
 static void IF(oct_order)(acts_t *a) {
@@ -75,16 +69,5 @@ static inline float IF(row32_oct)(const uint8_t *p, int64_t row_bytes, int qtype
         /* the offsets: Q4_1's m against s = dx sum(qx); Q4_0's -8 d, the -8 applied last */
         accm = _mm256_fmadd_ps(q4_1 ? IF(oct_halves)(blk + 2, bytes) : d, sx, accm);
     }
-    float offset = 0.f; /* the blocks after the whole groups, one at a time, x in order */
-    for (int64_t b = whole; b < nb; b++) {
-        const uint8_t *blk = p + b * bytes;
-        const float d = IF(h16)(blk);
-        const __m256i dot = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(IF(nibbles)(blk + nibbles),
-                                 _mm256_loadu_si256((const __m256i *)(a->q + 32 * b))),
-            ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a->d[b]), acc);
-        offset += (q4_1 ? IF(h16)(blk + 2) : d) * a->s[b];
-    }
-    return IF(hsum)(acc) + (q4_1 ? 1.f : -8.f) * (IF(hsum)(accm) + offset);
+    return IF(oct_finish)(p, bytes, whole, qtype, a, acc, accm);
 }
