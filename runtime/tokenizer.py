@@ -15,12 +15,46 @@ if TYPE_CHECKING:
 DETOKENIZE_CONTEXT = 5
 
 
-def load_tokenizer(model_dir: Path, chat_template: str = "") -> PreTrainedTokenizerBase:
-    """The model's tokenizer; `chat_template` (a file, or a Jinja template string) replaces
-    its chat template. Raises ValueError for a value that is neither."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: heavy, see preload)
+# Model types whose tokenizer AutoTokenizer loads as the plain `tokenizers` backend when
+# tokenizer_config.json names that class (transformers 5 maps no model-specific class over it
+# for these; for others, qwen2 say, it may).
+PLAIN_TOKENIZER_TYPES = frozenset({"llama"})
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+def plain_backend(model_dir: Path) -> bool:
+    """Whether AutoTokenizer would load `model_dir`'s tokenizer as transformers' plain
+    TokenizersBackend (what a GGUF file's converted llama-family tokenizer is): a
+    tokenizer.json, tokenizer_config.json naming that class and no custom code, a model type
+    of PLAIN_TOKENIZER_TYPES."""
+    try:
+        settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (
+        isinstance(settings, dict)
+        and settings.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in settings
+        and model_type in PLAIN_TOKENIZER_TYPES
+        and (model_dir / "tokenizer.json").is_file()
+    )
+
+
+def load_tokenizer(model_dir: Path | str, chat_template: str = "") -> PreTrainedTokenizerBase:
+    """The model's tokenizer; `chat_template` (a file, or a Jinja template string) replaces
+    its chat template. Raises ValueError for a value that is neither.
+
+    The class AutoTokenizer would pick, loaded directly where that is the plain backend
+    (`plain_backend`): AutoTokenizer first reads the model's config through AutoConfig,
+    whose imports (torch.distributed, sympy) cost 3-4 s of a server's start on 2 cores."""
+    import transformers  # noqa: PLC0415 (transformers: heavy, see preload)
+
+    model_dir = Path(model_dir)
+    fast = transformers.PreTrainedTokenizerFast  # transformers 5: TokenizersBackend itself
+    if fast.__name__ == "TokenizersBackend" and plain_backend(model_dir):
+        tokenizer = fast.from_pretrained(str(model_dir))
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     if chat_template:
         tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
