@@ -16,8 +16,8 @@ use_the_triton_interpreter()  # without CUDA; with it the module is skipped
 import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -210,7 +210,8 @@ def jobs():
         yield decode._decode_split_kernel, dtype, split, 4, 2, ()
         for block_s, has_shared in ((1, False), (8, False), (8, True)):  # 1: one-element arange
             merge = dict(BLOCK_S=block_s, BLOCK_N=decode.BLOCK_N, BLOCK_D=64, HAS_SHARED=has_shared)
-            yield decode._decode_merge_kernel, dtype, merge, 4, 2, ("shared_out_ptr", "shared_lse_ptr")
+            shared_ptrs = ("shared_out_ptr", "shared_lse_ptr")
+            yield decode._decode_merge_kernel, dtype, merge, 4, 2, shared_ptrs
         blocks = (64, 64) if dtype == "bf16" else (32, 32)
         prefix = dict(GROUP=3, BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_D=64, UPCAST=False)
         yield shared._shared_prefix_kernel, dtype, prefix, 4, 2, ("out_ptr", "lse_ptr")
