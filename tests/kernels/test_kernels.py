@@ -235,13 +235,11 @@ def build(index):
     options = dict(num_warps=num_warps, num_stages=num_stages)
     for capability in capabilities:
         assert triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-    return index
 
 if __name__ == "__main__":
     # two processes: each compile is single-threaded, and the suite's other core idles
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        done = pool.map(build, range(len(list(jobs()))))
-    assert done == list(range(12)), done
+        pool.map(build, range(len(list(jobs()))))  # a worker's failure raises here
     print("compiled")
 """
 
