@@ -12,8 +12,9 @@ same order (so the same bits come out) with none of that between them: SmolLM2, 
   no q/k norm, no sliding window, no soft-capping, fp32 weights (KV pools fp32, bf16,
   fp16 or int8 with scales), the native kernels built. `build` returns None for any other
   model (Llama and SmolLM2 qualify; so does Mistral without its window), and
-  `DecodeLoop.run` returns None for a step it does not take (shared prefixes to merge, too
-  few rows for the packs): the layers then run in Python.
+  `DecodeLoop.run` returns None for a step it does not take (too few rows for the packs,
+  shared prefixes too long to read row by row: `SHARED_ATTENTION_MACS`): the layers then run
+  in Python.
 - A step of 1-4 rows on more than one thread, its projections all quantized ranges on the
   exact fused path, takes the team path (`kernels/cpu/decode_team.h`): the whole step in one
   OpenMP parallel region, each projection's output rows shared by the threads, a barrier
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 
 from radixflow.kernels.cpu import native
 from radixflow.kernels.cpu import quant as native_quant
+from radixflow.kernels.cpu.decode_layout import DecodeLayout, run_table
 from radixflow.kernels.kv_int8 import Int8KV
 from radixflow.kernels.quant import QuantWeight
 
@@ -64,6 +66,16 @@ TEAM_FUNCTIONS = (
 )  # fmt: skip
 TEAM_ATTENTION = ("rf_rope_store", "rf_team_attention")  # native.c's, for the same path
 _lock = threading.Lock()
+# A step whose rows share cached keys (a system prompt, a fork's branches, the rows one
+# jump-forward appends to a request) runs in the loop with each row reading the shared keys
+# itself, while that attention (multiply-adds per layer) stays under this: the Python layers
+# would read each shared run once for all its rows (one dense product, merged by lse), but
+# cost their per-layer overhead. SmolLM2, 2 threads, AMD EPYC, ms a decode step (Python
+# shared merge / loop): 300 shared keys: 25 / 10 at 2 rows, 33 / 16 at 4, 71 / 56 at 16,
+# 165 / 152 at 64; 2,000 shared keys: 45 / 21 at 2 rows, 115 / 100 at 16, 179 / 182 at 32,
+# 279 / 323 at 64. Even at about 60 M a layer (55,000 row-keys of SmolLM2's 9 x 64 query
+# dims); half of that taken.
+SHARED_ATTENTION_MACS = 32 << 20
 
 
 def extension() -> Any | None:
@@ -174,12 +186,18 @@ class DecodeLoop:
         """(the step's decode layout, rows) where the loop takes `rows` rows of it (its runs
         known, no shared prefix to merge, the native kernels on), else (None, rows)."""
         layout = batch.layouts.get(("decode", 0))
-        if layout is None or layout.runs is None or layout.shared:
+        if layout is None or layout.runs is None:
             return None, rows
         if not self.min_rows <= rows <= max_rows:
             return None, rows
         if native.library() is None:  # switched off since the build (tests do): Python's
             return None, rows
+        if layout.shared:  # each row reads its shared keys itself, where that stays small
+            row_keys = sum(len(p.q_rows) * len(p.slots) for p in layout.shared)
+            if 2 * row_keys * self.num_heads * self.head_dim > SHARED_ATTENTION_MACS:
+                return None, rows
+            runs = run_table(batch.decode_kv_indptr, batch.decode_kv_indices)
+            layout = DecodeLayout([], runs=runs)
         return layout, rows
 
     def _pools(self, k_layers: Any, v_layers: Any) -> Any:

@@ -117,21 +117,44 @@ def test_decode_steps_give_the_python_layers_logits_bit_for_bit(engine, model, m
         assert torch.equal(python, looped)
 
 
-def test_shared_prefixes_decline_to_python(engine, model, monkeypatch) -> None:
-    """Streams behind a shared cached prefix need the shared runs merged, which the loop does
-    not do: those steps run in Python, with the same tokens as with the loop off."""
-    calls = counted(monkeypatch, model.decode_loop)
-    shared = "You are a careful assistant. Answer in one short sentence, please. " * 8
-    prompts = [shared + f"What is {i} plus {i}?" for i in range(3)]
-    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+SHARED = "You are a careful assistant. Answer in one short sentence, please. " * 8
+
+
+def shared_prefix_run(engine, params) -> list[list[int]]:
+    """Three streams behind a cached shared prefix (about 130 tokens): their output ids."""
+    prompts = [SHARED + f"What is {i} plus {i}?" for i in range(3)]
     engine.flush_cache()
     engine.generate(prompts[0], params)  # caches the prefix
-    got = [r["output_ids"] for r in engine.generate(prompts, params)]
-    assert None in calls
+    return [r["output_ids"] for r in engine.generate(prompts, params)]
+
+
+def test_shared_prefixes_run_in_the_loop(engine, model, monkeypatch) -> None:
+    """Streams behind a shared cached prefix take the loop, each row reading the shared keys
+    itself: every decode step of three rows went through it, and its logits equal those of
+    the Python layers, which read the shared run once and merge it by log-sum-exp (the same
+    attention summed in another order: equal to rounding, the same greedy tokens)."""
+    loop = model.decode_loop
+    pairs = both_paths(monkeypatch, model, loop)
+    calls = counted(monkeypatch, loop)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    shared_prefix_run(engine, params)
+    assert calls[-5:] == [3] * 5  # the three streams' five decode steps
+    for python, looped in pairs[-5:]:
+        torch.testing.assert_close(looped, python, rtol=1e-4, atol=1e-4)
+        assert torch.equal(looped.argmax(-1), python.argmax(-1))
+
+
+def test_long_shared_prefixes_decline_to_python(engine, model, monkeypatch) -> None:
+    """Where reading the shared keys row by row would cost more than the Python layers'
+    overhead (`SHARED_ATTENTION_MACS`; here lowered below these streams'), those steps run in
+    Python, with the same tokens as with the loop off."""
+    monkeypatch.setattr(decode_loop, "SHARED_ATTENTION_MACS", 1 << 10)
+    calls = counted(monkeypatch, model.decode_loop)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got = shared_prefix_run(engine, params)
+    assert calls[-5:] == [None] * 5
     monkeypatch.setattr(model, "decode_loop", None)
-    engine.flush_cache()
-    engine.generate(prompts[0], params)
-    assert [r["output_ids"] for r in engine.generate(prompts, params)] == got
+    assert shared_prefix_run(engine, params) == got
 
 
 def test_models_it_does_not_serve_get_none(model, monkeypatch) -> None:
