@@ -14,6 +14,8 @@ On one GPU, in a few minutes:
                     256; graphs on/off), few_shot and tree_of_thought (radix cache, shared-
                     prefix attention and graphs each on/off), tokens/s at 256 streams
                     against the memory-bandwidth roofline (H200: 4.8 TB/s)
+  jump_forward      json_decode with jump-forward on and off, alternated: median wall times,
+                    forward steps (fewer with it on: required), whether the texts agree
 --dry-run runs the same on CPU at tiny sizes, everything but the CUDA parts: the kernels in
 Triton's interpreter, the Engine on the CPU ops, graphs through the "record" backend
 (runtime/model_executor/cuda_graph.py), no GPU pytest, shared-prefix-off rows skipped (the CPU fast
@@ -28,6 +30,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +49,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from radixflow.bench.engine import RadixflowSystem
 from radixflow.bench.harness import run_workload, warm_up
-from radixflow.bench.workloads import Call, few_shot, independent, server_codec, tree_of_thought
+from radixflow.bench.workloads import (
+    Call,
+    few_shot,
+    independent,
+    json_decode,
+    server_codec,
+    tree_of_thought,
+)
 from radixflow.kernels import reference
 from radixflow.kernels.triton.decode_attention import decode_attention, decode_layout
 from radixflow.kernels.triton.extend_attention import extend_attention
@@ -322,7 +332,6 @@ def roofline(engine: Any, streams: int, avg_kv_len: float) -> float:
 
 def release() -> None:
     """Return the memory of engines shut down and dropped (their KV pools and graphs)."""
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -330,7 +339,6 @@ def release() -> None:
 
 def bench_rows(engine: Any, dry: bool) -> list[dict[str, Any]]:
     """The throughput table, one Engine per (cache, shared prefix, graphs) configuration."""
-
     codec = server_codec(engine.tokenizer)
     streams = (1, 4, 8) if dry else (1, 64, 256)
     rows = []
@@ -366,6 +374,38 @@ def bench_rows(engine: Any, dry: bool) -> list[dict[str, Any]]:
         del system, eng
         release()
     return rows
+
+
+def jump_forward(engine: Any, dry: bool) -> dict[str, Any]:
+    """json_decode, jump-forward on and off (sharing `engine`'s weights): where a step is
+    bound by reading the weights (a GPU's), forced tokens cost rows of a step, not steps; a
+    2-core CPU's batched steps are bound by arithmetic: 1.03-1.17x (docs/benchmarks.md)."""
+
+    codec = server_codec(engine.tokenizer)
+    systems = {on: engine.with_config(disable_jump_forward=not on) for on in (True, False)}
+    systems = {on: RadixflowSystem(f"jump {on}", e, owned=True) for on, e in systems.items()}
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    digests, steps = {}, {}
+    for system in systems.values():
+        warm_up(system, Call(tuple(codec.encode("Hello there")), 2))
+    for _ in range(1 if dry else 3):
+        for on, system in systems.items():
+            before = system.engine.stats()["forward_steps"]
+            row = run_workload(system, json_decode(codec, dry), {})
+            steps[on] = system.engine.stats()["forward_steps"] - before
+            walls[on].append(row["wall_s"])
+            digests[on] = row["output_digest"]
+    jumped = systems[True].engine.stats()["jump_forward_tokens"]
+    for system in systems.pop(True), systems.pop(False):
+        system.close()
+    release()
+    on, off = statistics.median(walls[True]), statistics.median(walls[False])
+    return {
+        "ok": steps[True] < steps[False], "wall_s_on": round(on, 3), "wall_s_off": round(off, 3),
+        "speedup": round(off / on, 3), "forward_steps_on": steps[True],
+        "forward_steps_off": steps[False], "jumped_tokens": jumped,
+        "same_text": digests[True] == digests[False],
+    }  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -421,6 +461,7 @@ def run(dry: bool, model: str) -> dict[str, Any]:
         return {"ok": True, "rows": sum("skipped" not in r for r in rows)}
 
     checks.append(timed("throughput", throughput))
+    checks.append(timed("jump_forward", lambda: jump_forward(engine, dry)))
     engine.shutdown()
     # bf16 tokens may part from transformers' or from the eager path's after a rounding
     # difference (other kernels, another GEMM for a padded batch): reported, not required

@@ -31,7 +31,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["ok"] and report["dry_run"]
     checks = {c["name"]: c for c in report["checks"]}
     names = ["kernel_tests", "kernels", "host_layout", "transformers", "cuda_graph", "throughput"]
-    assert list(checks) == names
+    assert list(checks) == [*names, "jump_forward"]
+    jump = checks["jump_forward"]  # forced JSON text appended: fewer steps than without it
+    assert jump["jumped_tokens"] > 0 and jump["forward_steps_on"] < jump["forward_steps_off"]
     assert all(ms > 0 for ms in checks["host_layout"]["best_of_5_ms"].values())
     assert checks["kernel_tests"]["skipped"]  # CUDA only
     kernels = checks["kernels"]
