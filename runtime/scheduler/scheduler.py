@@ -340,8 +340,6 @@ class Scheduler:
         req.state = ReqState.RUNNING
         return True
 
-    # ---- the plan --------------------------------------------------------------------------
-
     # ---- after the forward -----------------------------------------------------------------
 
     def _postprocess(
@@ -358,6 +356,8 @@ class Scheduler:
         pool_hidden(result, extends)
         for req in extends:
             self.counters["prefill_tokens_computed"] += req.extend_target - req.kv_len
+        # a jump's rows (its last sampled token and the forced ones) ran as decode rows
+        self.counters["decode_tokens"] += sum(r.extend_target - r.kv_len for r in jumps)
         for req in extends + jumps:
             req.kv_len = req.extend_target
             if not req.whole_input:  # an encoder's slots hold no KV to share

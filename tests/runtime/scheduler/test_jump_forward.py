@@ -13,6 +13,7 @@ from test_scheduler import VOCAB, FakeRunner, chain, make_req, make_scheduler, r
 from radixflow.runtime.constrained.compiler import GrammarError
 from radixflow.runtime.protocol.plan import BatchPlan, StepResult
 from radixflow.runtime.scheduler.request import Req
+from radixflow.runtime.scheduler.scheduler import Scheduler
 from radixflow.runtime.server.metrics import Metrics
 
 WORDS = -(-VOCAB // 32)
@@ -184,6 +185,28 @@ def test_jumped_outputs_equal_sampled_ones_in_fewer_steps(config: dict) -> None:
     assert f"radixflow:jump_forward_tokens_total {stats['jump_forward_tokens']}" in lines
     saved = stats["jump_forward_steps_saved"]
     assert f"radixflow:jump_forward_steps_saved_total {saved}" in lines
+
+
+def test_every_computed_token_is_counted_once(monkeypatch) -> None:
+    """prefill_tokens_computed + decode_tokens count each KV row computed once, a jump's rows
+    (run as decode rows) among the decode tokens: without the radix cache or preemption that
+    is the KV each request held when it finished, with jump-forward on and off."""
+    held: list[int] = []
+    real = Scheduler._finish
+
+    def finish(self, req, reason):
+        if not req.finished:
+            held.append(req.kv_len)
+        real(self, req, reason)
+
+    monkeypatch.setattr(Scheduler, "_finish", finish)
+    for jump in (True, False):
+        held.clear()
+        reqs, sched = run({"disable_radix_cache": True}, jump)
+        c = sched.counters
+        assert len(held) == len(reqs) and c["preemptions"] == 0
+        assert c["prefill_tokens_computed"] + c["decode_tokens"] == sum(held)
+        assert (sched.stats()["jump_forward_jumps"] > 0) == jump
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
