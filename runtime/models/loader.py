@@ -208,9 +208,60 @@ def model_fim_token_ids(model_dir: Path) -> dict[str, int]:
     return {role: int(v) for role, v in found.items() if isinstance(v, int)}
 
 
+# Model types whose config.json `load_hf_config` reads itself where the file spells out every
+# field the runtime reads, rope in transformers 5's own form: a transformers 5 save, as every GGUF
+# directory this runtime writes is. A transformers config class imports torch.distributed's
+# tensor module and sympy (1.7 s of each server start on a 2-core VM) to derive what such a
+# file already holds.
+PLAIN_CONFIG_TYPES = {"llama"}
+PLAIN_CONFIG_FIELDS = (
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings", "rope_parameters", "attention_bias",
+    "mlp_bias",
+)  # fmt: skip
+
+
+class PlainConfig:
+    """A config.json's fields as attributes (absent ones are absent: `getattr` defaults
+    apply), with transformers' `to_dict`."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def plain_config(model_dir: Path) -> PlainConfig | None:
+    """The directory's config.json as a PlainConfig where it qualifies (above), else None."""
+    try:
+        fields = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rope = fields.get("rope_parameters")
+    major = str(fields.get("transformers_version", "0")).split(".")[0]
+    if not (
+        isinstance(fields, dict)
+        and fields.get("model_type") in PLAIN_CONFIG_TYPES
+        and "auto_map" not in fields
+        and all(fields.get(name) is not None for name in PLAIN_CONFIG_FIELDS)
+        and isinstance(rope, dict)
+        and {"rope_theta", "rope_type"} <= set(rope)  # transformers 5's own form
+        and major.isdigit()
+        and int(major) >= 5
+    ):
+        return None
+    return PlainConfig(fields)
+
+
 def load_hf_config(model_dir: Path) -> Any:
     """transformers' config object for a local directory (never remote code), so fields a
-    config class derives (layer types, rope parameters) are derived as transformers does."""
+    config class derives (layer types, rope parameters) are derived as transformers does;
+    a llama-family file that already holds them is read as it is (`plain_config`)."""
+    plain = plain_config(model_dir)
+    if plain is not None:
+        return plain
     from transformers import AutoConfig  # noqa: PLC0415 (heavy: only when a model is converted)
 
     try:
