@@ -184,7 +184,8 @@ class DecodeLoop:
 
     def _layout(self, batch: Any, rows: int, max_rows: int) -> tuple[Any, int]:
         """(the step's decode layout, rows) where the loop takes `rows` rows of it (its runs
-        known, no shared prefix to merge, the native kernels on), else (None, rows)."""
+        known, the native kernels on; shared prefixes within `SHARED_ATTENTION_MACS`, then
+        a layout of each row's keys whole), else (None, rows)."""
         layout = batch.layouts.get(("decode", 0))
         if layout is None or layout.runs is None:
             return None, rows
