@@ -146,6 +146,17 @@ def use_the_triton_interpreter() -> None:
 READY = re.compile(r"^radixflow ready on (https?://\S+)(?:.*?(tcp://\S+))?")  # --dp-size: HTTP
 
 
+def imported_by(statements: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `statements`."""
+    code = f"import sys\n{statements}\nprint(sorted(m for m in {modules!r} if m in sys.modules))"
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 (our own print of a list)
+
+
 def die_with_parent() -> Callable[[], None]:
     """A Popen preexec_fn: the child gets SIGKILL when this process dies, SIGKILL included
     (Linux's PR_SET_PDEATHSIG; a server's scheduler follows its server the same way while
